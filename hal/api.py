@@ -1,0 +1,100 @@
+"""Choosing the backend and contract that HAL ops run on.
+
+Selection order for the backend: explicit argument > recipe > ``HAL_BACKEND`` > automatic (the
+one available accelerator backend, else ``reference``). The contract: explicit argument >
+``HAL_CONTRACT`` > the backend's first realised contract. A baseline backend (one that realises
+no contract, like ``torch``) binds none and reports no fingerprint.
+
+Two scopes: ``set_backend`` for the whole process, ``use`` as a context manager (restored on exit,
+also on errors; per thread / task through a ContextVar).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+from typing import Iterator
+
+import torch
+
+from hal.backend import Backend
+from hal.contract import Contract, load_contract
+from hal.errors import BackendUnavailableError, HalError
+from hal.registry import backend_class, describe_installed, discover
+
+_active: contextvars.ContextVar[Backend | None] = contextvars.ContextVar("hal_active_backend", default=None)
+_process_backend: Backend | None = None
+
+
+def resolve_backend_name(explicit: str | None = None, recipe: str | None = None) -> tuple[str, str]:
+    """(backend name, what chose it)."""
+    if explicit:
+        return explicit, "the explicit argument"
+    if recipe:
+        return recipe, "the recipe"
+    env = os.environ.get("HAL_BACKEND", "").strip()
+    if env:
+        return env, "HAL_BACKEND"
+    accelerators = [name for name, info in discover().items()
+                    if info.kind == "accelerator" and info.probe().available]
+    if len(accelerators) > 1:
+        raise HalError(f"several accelerator backends are available ({', '.join(accelerators)}); "
+                       f"choose one with backend=..., the recipe's `backend:` or HAL_BACKEND")
+    if accelerators:
+        return accelerators[0], "automatic selection (the one available accelerator backend)"
+    return "reference", "automatic selection (no accelerator backend is available)"
+
+
+def create_backend(backend: str | None = None, contract: str | Contract | None = None,
+                   device: torch.device | str | None = None, *, recipe_backend: str | None = None) -> Backend:
+    """Resolve, probe and instantiate a backend bound to a contract."""
+    name, chosen_by = resolve_backend_name(backend, recipe_backend)
+    cls = backend_class(name)
+    probe = cls.probe()
+    if not probe.available:
+        raise BackendUnavailableError(
+            f"backend {name!r} (chosen by {chosen_by}) is not available here: {probe.reason}\n"
+            f"Installed backends:\n{describe_installed()}")
+    if not cls.contracts:
+        return cls(None, device)
+    if contract is None:
+        contract = os.environ.get("HAL_CONTRACT", "").strip() or cls.contracts[0]
+    if not isinstance(contract, Contract):
+        contract = load_contract(contract)
+    return cls(contract, device)
+
+
+def set_backend(backend: str | Backend | None = None, contract: str | Contract | None = None,
+                device: torch.device | str | None = None) -> Backend:
+    """Set the process-wide backend (used wherever no ``use`` block is active)."""
+    global _process_backend
+    _process_backend = backend if isinstance(backend, Backend) else create_backend(backend, contract, device)
+    return _process_backend
+
+
+@contextlib.contextmanager
+def use(backend: str | Backend | None = None, contract: str | Contract | None = None,
+        device: torch.device | str | None = None) -> Iterator[Backend]:
+    """Run the enclosed HAL ops on ``backend`` bound to ``contract``; the previous choice is restored."""
+    chosen = backend if isinstance(backend, Backend) else create_backend(backend, contract, device)
+    token = _active.set(chosen)
+    try:
+        yield chosen
+    finally:
+        _active.reset(token)
+
+
+def current() -> Backend:
+    """The backend HAL ops run on now (created by automatic selection on first use)."""
+    active = _active.get()
+    if active is not None:
+        return active
+    if _process_backend is None:
+        set_backend()
+    return _process_backend
+
+
+def active_fingerprint() -> str | None:
+    """The fingerprint of the contract the current backend realises (None for a baseline)."""
+    return current().fingerprint

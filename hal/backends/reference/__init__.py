@@ -1,0 +1,182 @@
+"""The ``reference`` backend: pure PyTorch, the executable form of the contract.
+
+It runs on the CPU (and on any torch device) and is bitwise batch-invariant and phase-consistent
+by construction: every reduction chunk is a correctly rounded fp32 sum (``exact.py``), every
+transcendental is built from IEEE add/mul/div, and every other step is an elementwise op, so no
+row's bits can depend on its batch-mates, its position, the thread count or the phase.
+
+What it does not promise: the same bits as a GPU backend. The contract leaves the order inside one
+reduction chunk and the exp/log ulps implementation-defined; the reference picks "correctly
+rounded", which no tensor core does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hal.backend import AttentionMetadata, Backend, Probe
+from hal.backends.reference import exact
+from hal.backends.reference.attention import paged_attention
+from hal.backends.reference.exact import MANTISSA_BITS, blocked_sum_fp32, exp_fp32, log_fp32, matmul_fp32
+from hal.errors import UnsupportedError
+
+
+def _fdiv(a: torch.Tensor, b: torch.Tensor | float) -> torch.Tensor:
+    """IEEE division a / b in fp32. A scalar divisor is materialised: some torch kernels replace
+    division by a scalar with multiplication by its reciprocal, which is not correctly rounded."""
+    if not isinstance(b, torch.Tensor) or b.numel() == 1:
+        b = torch.full_like(a, float(b) if not isinstance(b, torch.Tensor) else b.item())
+    return torch.div(a, b)
+
+
+def _square_bits(dtype: torch.dtype) -> int:
+    """Significant bits of the square of a value of ``dtype`` (exact in fp64)."""
+    return 2 * MANTISSA_BITS[dtype]
+
+
+class ReferenceBackend(Backend):
+    name = "reference"
+    description = "pure PyTorch, contract-exact and invariant by construction (CPU or any torch device)"
+    kind = "cpu"
+    contracts = ("bf16-dense-v1",)
+    dtypes = (torch.bfloat16, torch.float32)
+
+    @classmethod
+    def probe(cls) -> Probe:
+        return Probe.ok("cpu", threads=torch.get_num_threads())
+
+    # -- GEMM ---------------------------------------------------------------------------------
+
+    def linear(self, x, weight, bias=None, *, out_dtype=None):
+        dtype = self.check_dtype("linear", x, weight)
+        if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
+            raise UnsupportedError(f"linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match "
+                                   f"(weight must be (N, K) with K = x.shape[-1])")
+        if bias is not None and (bias.shape != (weight.shape[0],) or bias.dtype != dtype):
+            raise UnsupportedError(f"linear: bias must be ({weight.shape[0]},) {dtype}, got "
+                                   f"{tuple(bias.shape)} {bias.dtype}")
+        out_dtype = out_dtype or dtype
+        if out_dtype not in (dtype, torch.float32):
+            raise UnsupportedError(f"linear: out_dtype must be {dtype} or torch.float32, got {out_dtype}")
+        k = x.shape[-1]
+        x2 = x.reshape(-1, k)
+        # [gemm]: K in chunks of k_chunk at absolute offsets, each a correctly rounded fp32 sum,
+        # chunk sums added in ascending order in fp32, bias added in fp32, one output rounding.
+        k_chunk = self.contract.gemm.k_chunk
+        acc = None
+        for start in range(0, k, k_chunk):
+            part = matmul_fp32(x2[:, start:start + k_chunk], weight[:, start:start + k_chunk].T)
+            acc = part if acc is None else acc + part
+        if acc is None:
+            acc = torch.zeros(x2.shape[0], weight.shape[0], device=x.device)
+        if bias is not None:
+            acc = acc + bias.float()
+        return acc.to(out_dtype).reshape(*x.shape[:-1], weight.shape[0])
+
+    # -- attention and the KV cache -----------------------------------------------------------
+
+    def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, *, scale):
+        self.check_dtype("attention", q, k_cache, v_cache)
+        return paged_attention(q, k_cache, v_cache, meta, scale, self.contract.attention)
+
+    def write_kv(self, k, v, k_cache, v_cache, slot_mapping):
+        self.check_dtype("write_kv", k, v, k_cache, v_cache)
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+            raise UnsupportedError("write_kv: the caches must be contiguous (writes go through a flat view)")
+        keep = slot_mapping >= 0
+        slots = slot_mapping[keep].long()
+        k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep]
+        v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep]
+
+    # -- pointwise and row ops ----------------------------------------------------------------
+
+    def rms_norm(self, x, weight, eps, residual=None):
+        dtype = self.check_dtype("rms_norm", x, weight) if residual is None else \
+            self.check_dtype("rms_norm", x, weight, residual)
+        spec = self.contract.rms_norm
+        xf = x.float()
+        if residual is not None:
+            residual_out = (xf + residual.float()).to(dtype)
+            xf = residual_out.float()
+        n = x.shape[-1]
+        sum_sq = blocked_sum_fp32(xf.double().square(), spec.row_block, _square_bits(dtype))
+        mean_sq = _fdiv(sum_sq, float(n))
+        eps32 = torch.tensor(eps, dtype=torch.float32, device=x.device)
+        inv = _fdiv(torch.ones_like(mean_sq), torch.sqrt(mean_sq + eps32))
+        out = ((xf * inv.unsqueeze(-1)) * weight.float()).to(dtype)
+        return out if residual is None else (out, residual_out)
+
+    def silu_mul(self, gate_up):
+        dtype = self.check_dtype("silu_mul", gate_up)
+        if gate_up.shape[-1] % 2:
+            raise UnsupportedError(f"silu_mul: last dim must be even ([gate | up]), got {gate_up.shape[-1]}")
+        g, u = gate_up.float().chunk(2, dim=-1)
+        silu = torch.div(g, 1.0 + exp_fp32(-g))
+        return (silu * u).to(dtype)
+
+    def rotary(self, positions, q, k, cos_sin_cache):
+        dtype = self.check_dtype("rotary", q, k)
+        rot = cos_sin_cache.shape[-1]
+        if cos_sin_cache.dtype != torch.float32 or rot % 2 or rot > q.shape[-1]:
+            raise UnsupportedError(f"rotary: cos_sin_cache must be fp32 (max_pos, R) with even R <= head dim, "
+                                   f"got {cos_sin_cache.dtype} {tuple(cos_sin_cache.shape)}")
+        cos, sin = cos_sin_cache[positions.long()].chunk(2, dim=-1)       # (T, R/2) each
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+
+        def rotate(x):
+            xf = x.float()
+            x1, x2, rest = xf[..., : rot // 2], xf[..., rot // 2: rot], xf[..., rot:]
+            # [rope].fma = none: each product rounded, then the add.
+            o1 = x1 * cos - x2 * sin
+            o2 = x2 * cos + x1 * sin
+            return torch.cat([o1, o2, rest], dim=-1).to(dtype)
+
+        return rotate(q), rotate(k)
+
+    # -- log-probabilities --------------------------------------------------------------------
+
+    def _shifted_and_log_sum(self, logits, temperature):
+        """x - max and log(sum exp(x - max)) per row, as [logprobs] says."""
+        if logits.dim() != 2:
+            raise UnsupportedError(f"log_softmax: logits must be (M, V), got {tuple(logits.shape)}")
+        if not temperature > 0:
+            raise UnsupportedError(f"log_softmax: temperature must be > 0, got {temperature}")
+        x = logits.float()
+        if temperature != 1.0:
+            x = _fdiv(x, float(temperature))
+        shifted = x - x.amax(-1, keepdim=True)
+        total = blocked_sum_fp32(exp_fp32(shifted).double(), self.contract.logprobs.vocab_chunk, 24)
+        return shifted, log_fp32(total)
+
+    def log_softmax(self, logits, temperature=1.0):
+        shifted, log_sum = self._shifted_and_log_sum(logits, temperature)
+        return shifted - log_sum.unsqueeze(-1)
+
+    def token_logprobs(self, logits, token_ids, temperature=1.0):
+        shifted, log_sum = self._shifted_and_log_sum(logits, temperature)
+        return shifted.gather(-1, token_ids.long().view(-1, 1)).squeeze(-1) - log_sum
+
+    # -- reductions and top-k -----------------------------------------------------------------
+
+    def _sum_last(self, x):
+        bits = MANTISSA_BITS.get(x.dtype)
+        if bits is None:
+            raise UnsupportedError(f"sum: dtype {x.dtype} is not realised")
+        return blocked_sum_fp32(x.double(), self.contract.reduce.row_block, bits)
+
+    def sum(self, x, dim=-1):
+        return self._sum_last(x.movedim(dim, -1))
+
+    def mean(self, x, dim=-1):
+        x = x.movedim(dim, -1)
+        return _fdiv(self._sum_last(x), float(x.shape[-1]))
+
+    def topk(self, x, k):
+        if not 0 < k <= x.shape[-1]:
+            raise UnsupportedError(f"topk: k must be in 1..{x.shape[-1]}, got {k}")
+        # A stable descending sort keeps equal values in index order: ties go to the lower index.
+        values, indices = torch.sort(x, dim=-1, descending=True, stable=True)
+        return values[..., :k], indices[..., :k]
+
+
+__all__ = ["ReferenceBackend", "exact"]

@@ -1,0 +1,124 @@
+"""Reference paged attention: the contract's [attention] section, step by step.
+
+Reduction structure (bf16-dense-v1: kv_chunk = 64, kv_split = 512):
+  score[i, j] = correctly rounded fp32 of q_i . k_j            (head-dim dot, order-free)
+  s[i, j]     = fl32(score * fl32(scale * log2 e))
+  keys are visited in splits of kv_split at absolute positions 0, S, 2S, ... (one split if 0);
+  inside a split, KV chunks of kv_chunk keys at absolute positions c*C, in ascending order:
+      masked keys (j > position of query i) are selected out before the max
+      m'    = max(m, max_j s)                                  (exact)
+      alpha = exp2(m - m')
+      p     = exp2(s - m'), exact 0 where masked; p_r = round_act(p)
+      l     = fl(fl(l * alpha) + rowsum(p_r))                  (rowsum correctly rounded)
+      acc   = fl(fl(acc * alpha) + p_r @ v)                    (each dot correctly rounded)
+  splits are merged into the running (M, L, A) in ascending order:
+      M' = max(M, m); a = exp2(M - M'); b = exp2(m - M')
+      L  = fl(fl(L * a) + fl(l * b));  A = fl(fl(A * a) + fl(acc * b))
+  out = round_act(fl32(A / L))
+
+A query only visits chunks that hold at least one key it may see, so its bits cannot depend on
+how many queries share the call, where the prefill was cut, or how the pages are scattered.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from hal.backend import AttentionMetadata
+from hal.backends.reference.exact import MANTISSA_BITS, exp2_fp32, matmul_fp32, sum_fp32
+from hal.contract import Attention
+from hal.errors import UnsupportedError
+
+_NEG_INF = float("-inf")
+
+
+def gather_pages(cache: torch.Tensor, pages: list[int], length: int) -> torch.Tensor:
+    """Keys 0..length-1 of one sequence from a paged cache (num_pages, P, H, D) -> (length, H, D)."""
+    index = torch.tensor(pages, dtype=torch.long, device=cache.device)
+    return cache.index_select(0, index).flatten(0, 1)[:length]
+
+
+def check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           meta: AttentionMetadata) -> None:
+    if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise UnsupportedError(
+            f"attention expects q (T, Hq, D) and k_cache == v_cache shape (pages, P, Hkv, D); got "
+            f"q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}")
+    hq, d = q.shape[1], q.shape[2]
+    hkv = k_cache.shape[2]
+    if k_cache.shape[3] != d or hq % hkv:
+        raise UnsupportedError(f"attention: head dim {d} vs cache {k_cache.shape[3]}, or {hq} query heads "
+                               f"not a multiple of {hkv} KV heads")
+    if meta.query_start_loc.shape[0] != meta.num_seqs + 1:
+        raise UnsupportedError("attention: query_start_loc must have num_seqs + 1 entries")
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float, spec: Attention) -> torch.Tensor:
+    check_attention_inputs(q, k_cache, v_cache, meta)
+    hq, hkv, page = q.shape[1], k_cache.shape[2], k_cache.shape[1]
+    head_map = torch.arange(hq, device=q.device) // (hq // hkv)          # [attention].gqa
+    # fl32(scale * log2 e): the product in fp64, one rounding.
+    scale_log2e = torch.tensor(scale / math.log(2.0), dtype=torch.float64).float().to(q.device)
+    out = torch.empty_like(q)
+    starts, seq_lens, table = meta.host_lists()
+    for b, seq_len in enumerate(seq_lens):
+        q0, q1 = starts[b], starts[b + 1]
+        q_len = q1 - q0
+        if q_len == 0:
+            continue
+        if q_len > seq_len:
+            raise UnsupportedError(f"attention: sequence {b} has {q_len} queries but seq_len {seq_len}")
+        pages = table[b][: -(-seq_len // page)]
+        k = gather_pages(k_cache, pages, seq_len)                          # (L, Hkv, D)
+        v = gather_pages(v_cache, pages, seq_len)
+        qh = q[q0:q1].transpose(0, 1)                                      # (Hq, ql, D)
+        kh = k.permute(1, 2, 0).index_select(0, head_map)                  # (Hq, D, L)
+        vh = v.transpose(0, 1).index_select(0, head_map)                   # (Hq, L, D)
+        s = matmul_fp32(qh, kh) * scale_log2e                              # (Hq, ql, L)
+        positions = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        out[q0:q1] = _online_softmax(s, vh, positions, spec).transpose(0, 1)
+    return out
+
+
+def _online_softmax(s: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, spec: Attention) -> torch.Tensor:
+    heads, q_len, seq_len = s.shape
+    dtype = v.dtype
+    chunk = spec.kv_chunk
+    split = spec.kv_split or seq_len
+    keys = torch.arange(seq_len, device=s.device)
+    big_m = torch.full((heads, q_len), _NEG_INF, device=s.device)
+    big_l = torch.zeros((heads, q_len), device=s.device)
+    big_a = torch.zeros((heads, q_len, v.shape[-1]), device=s.device)
+    for split_start in range(0, seq_len, split):
+        m = torch.full_like(big_m, _NEG_INF)
+        l = torch.zeros_like(big_l)
+        acc = torch.zeros_like(big_a)
+        for c0 in range(split_start, min(split_start + split, seq_len), chunk):
+            c1 = min(c0 + chunk, seq_len)
+            visits = positions >= c0                                       # (ql,)
+            valid = keys[c0:c1].unsqueeze(0) <= positions.unsqueeze(1)     # (ql, C)
+            sc = torch.where(valid, s[:, :, c0:c1], _NEG_INF)
+            m_new = torch.maximum(m, sc.amax(-1))
+            alpha = exp2_fp32(m - m_new)
+            p = torch.where(valid, exp2_fp32(sc - m_new.unsqueeze(-1)), 0.0)
+            p_r = p.to(dtype)
+            row_sum = sum_fp32(p_r.double(), MANTISSA_BITS[dtype])
+            pv = matmul_fp32(p_r, v[:, c0:c1, :])
+            l_new = l * alpha + row_sum
+            acc_new = acc * alpha.unsqueeze(-1) + pv
+            m = torch.where(visits, m_new, m)
+            l = torch.where(visits, l_new, l)
+            acc = torch.where(visits.view(1, -1, 1), acc_new, acc)
+        merging = positions >= split_start
+        m_merged = torch.maximum(big_m, m)
+        a = exp2_fp32(big_m - m_merged)
+        b = exp2_fp32(m - m_merged)
+        l_merged = big_l * a + l * b
+        a_merged = big_a * a.unsqueeze(-1) + acc * b.unsqueeze(-1)
+        big_m = torch.where(merging, m_merged, big_m)
+        big_l = torch.where(merging, l_merged, big_l)
+        big_a = torch.where(merging.view(1, -1, 1), a_merged, big_a)
+    return torch.div(big_a, big_l.unsqueeze(-1)).to(dtype)

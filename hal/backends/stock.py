@@ -1,0 +1,109 @@
+"""The ``torch`` backend: stock PyTorch ops with no invariance claims.
+
+It is the baseline that every comparison measures against, and the negative control of every
+invariance test: F.linear picks its BLAS kernel and split by shape, SDPA tiles differently in
+prefill and decode, reductions change their tree with the row count. It computes the same
+mathematical function as the contract backends, with the usual rounding points of the stock
+implementations (vLLM / Hugging Face), so its outputs are close, never bitwise-guaranteed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from hal.backend import AttentionMetadata, Backend, Probe
+
+
+def _default_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+class TorchBackend(Backend):
+    name = "torch"
+    description = "stock PyTorch ops (F.linear, SDPA, ...): fast, no invariance; the baseline and negative control"
+    kind = "baseline"
+    contracts = ()
+    dtypes = (torch.bfloat16, torch.float16, torch.float32)
+
+    @classmethod
+    def probe(cls) -> Probe:
+        return Probe.ok(str(_default_device()))
+
+    @classmethod
+    def default_device(cls) -> torch.device:
+        return _default_device()
+
+    def linear(self, x, weight, bias=None, *, out_dtype=None):
+        out = F.linear(x, weight, bias)
+        return out if out_dtype in (None, out.dtype) else out.to(out_dtype)
+
+    def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, *, scale):
+        out = torch.empty_like(q)
+        page = k_cache.shape[1]
+        group = q.shape[1] // k_cache.shape[2]
+        starts, seq_lens, table = meta.host_lists()
+        for b, seq_len in enumerate(seq_lens):
+            q0, q1 = starts[b], starts[b + 1]
+            if q1 == q0:
+                continue
+            pages = torch.tensor(table[b][: -(-seq_len // page)], device=q.device)
+            k = k_cache.index_select(0, pages).flatten(0, 1)[:seq_len].transpose(0, 1)  # (Hkv, L, D)
+            v = v_cache.index_select(0, pages).flatten(0, 1)[:seq_len].transpose(0, 1)
+            k = k.repeat_interleave(group, dim=0)
+            v = v.repeat_interleave(group, dim=0)
+            qh = q[q0:q1].transpose(0, 1)                                                    # (Hq, ql, D)
+            q_len = q1 - q0
+            mask = None
+            if q_len > 1:  # queries sit at the end of the context: causal with an offset
+                positions = torch.arange(seq_len - q_len, seq_len, device=q.device)
+                mask = torch.arange(seq_len, device=q.device).unsqueeze(0) <= positions.unsqueeze(1)
+            o = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale)
+            out[q0:q1] = o.transpose(0, 1)
+        return out
+
+    def write_kv(self, k, v, k_cache, v_cache, slot_mapping):
+        keep = slot_mapping >= 0
+        slots = slot_mapping[keep].long()
+        k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep]
+        v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep]
+
+    def rms_norm(self, x, weight, eps, residual=None):
+        if residual is not None:
+            x = x + residual
+            residual = x
+        xf = x.float()
+        out = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+        return out if residual is None else (out, residual)
+
+    def silu_mul(self, gate_up):
+        g, u = gate_up.chunk(2, dim=-1)
+        return F.silu(g) * u
+
+    def rotary(self, positions, q, k, cos_sin_cache):
+        rot = cos_sin_cache.shape[-1]
+        cos, sin = cos_sin_cache[positions.long()].chunk(2, dim=-1)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+
+        def rotate(x):
+            x1, x2, rest = x[..., : rot // 2], x[..., rot // 2: rot], x[..., rot:]
+            o1 = (x1 * cos - x2 * sin).to(x.dtype)
+            o2 = (x2 * cos + x1 * sin).to(x.dtype)
+            return torch.cat([o1, o2, rest], dim=-1)
+
+        return rotate(q), rotate(k)
+
+    def log_softmax(self, logits, temperature=1.0):
+        return torch.log_softmax(logits.float() / temperature, dim=-1)
+
+    def token_logprobs(self, logits, token_ids, temperature=1.0):
+        return self.log_softmax(logits, temperature).gather(-1, token_ids.long().view(-1, 1)).squeeze(-1)
+
+    def sum(self, x, dim=-1):
+        return x.float().sum(dim)
+
+    def mean(self, x, dim=-1):
+        return x.float().mean(dim)
+
+    def topk(self, x, k):
+        return torch.topk(x, k, dim=-1)

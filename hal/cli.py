@@ -1,0 +1,113 @@
+"""The ``hal`` command line: ``hal doctor``, ``hal contract list|show``, ``hal demo``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+
+from hal.errors import HalError
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    import torch
+
+    from hal import __version__
+    from hal.api import resolve_backend_name
+    from hal.registry import discover
+
+    print(f"hal {__version__} | python {platform.python_version()} | torch {torch.__version__} | "
+          f"{platform.machine()} {platform.system()}")
+    hal_env = {k: v for k, v in sorted(os.environ.items()) if k.startswith("HAL_")}
+    print(f"HAL_* environment: {hal_env or 'none set'}")
+    rows = []
+    problems = 0
+    for name, info in discover(refresh=True).items():
+        probe = info.probe()
+        contracts = ", ".join(getattr(info.cls, "contracts", ()) or ()) or "-"
+        status = "available" if probe.available else f"unavailable: {probe.reason}"
+        problems += bool(info.conflicts or info.load_error)
+        rows.append((name, f"{info.package} {info.version}", info.kind, probe.device or "-", contracts, status))
+    headers = ("backend", "package", "kind", "device", "contracts", "status")
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers[:-1])]
+    print()
+    print("  ".join(h.ljust(w) for h, w in zip(headers, widths)) + "  " + headers[-1])
+    for row in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[-1])
+    print()
+    try:
+        name, why = resolve_backend_name()
+        print(f"default backend here: {name} ({why})")
+    except HalError as exc:
+        print(f"default backend here: none ({exc})")
+    return 1 if problems else 0
+
+
+def _contract(args: argparse.Namespace) -> int:
+    from hal.contract import available_contracts, describe_fields, load_contract
+
+    if args.action == "list":
+        for name in available_contracts():
+            c = load_contract(name)
+            print(f"{c.name:<20} v{c.version}  {c.fingerprint}")
+        return 0
+    if not args.name:
+        raise HalError("hal contract show needs a contract name or path; see `hal contract list`")
+    c = load_contract(args.name)
+    if args.json:
+        print(json.dumps({"fingerprint": c.fingerprint, **c.to_dict()}, indent=2))
+        return 0
+    docs = describe_fields()
+    print(f"contract    {c.name} v{c.version}")
+    print(f"source      {c.source}")
+    print(f"fingerprint {c.fingerprint}")
+    for section, values in c.to_dict().items():
+        if section == "schema":
+            continue
+        print(f"\n[{section}]")
+        for key, value in values.items():
+            if isinstance(value, list) and any(len(str(v)) > 40 for v in value):
+                print(f"  {key:<22} # {docs[section][key]}")
+                for item in value:
+                    print(f"    - {item}")
+                continue
+            shown = value if not isinstance(value, str) or len(value) < 60 else value[:57] + "..."
+            print(f"  {key:<22} = {shown!r:<28} # {docs[section][key]}")
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from hal.demo import run_demo
+
+    return run_demo(seed=args.seed)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hal", description="numerical-contract HAL for bitwise-consistent RL")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("doctor", help="list installed backends, whether they can run here and why not")
+    p.set_defaults(func=_doctor)
+    p = sub.add_parser("contract", help="list contracts or show one with its fingerprint")
+    p.add_argument("action", choices=["list", "show"])
+    p.add_argument("name", nargs="?", help="contract name (see `hal contract list`) or path to a .toml file")
+    p.add_argument("--json", action="store_true", help="print the validated contract as JSON")
+    p.set_defaults(func=_contract)
+    p = sub.add_parser("demo", help="show the train/rollout mismatch of stock kernels and its fix, on this machine")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except HalError as exc:
+        print(f"hal: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

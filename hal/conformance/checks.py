@@ -1,0 +1,243 @@
+"""Property checks shared by the conformance kit and the project's own tests.
+
+Each check runs one backend on random inputs arranged in several ways that must not change a
+row's bits, compares with ``torch.equal`` and returns the list of ``Mismatch``es (empty = the
+property holds). Checks never use tolerances; accuracy is checked elsewhere against fp64.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from hal.backend import Backend
+from hal.kvcache import PageAllocator, PagedKVCache, build_metadata, pages_needed, slot_mapping
+from hal.rope import cos_sin_cache
+
+
+@dataclass
+class Mismatch:
+    """One arrangement whose bits differ from the baseline arrangement."""
+
+    what: str
+    max_abs_diff: float
+    differing: int
+    total: int
+    params: dict = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        return (f"{self.what}: {self.differing}/{self.total} values differ, max |diff| {self.max_abs_diff:.3g} "
+                f"({', '.join(f'{k}={v}' for k, v in self.params.items())})")
+
+
+def compare(what: str, expected: torch.Tensor, got: torch.Tensor, **params) -> Mismatch | None:
+    """None if bitwise equal (``torch.equal``), else a Mismatch describing the difference."""
+    if expected.shape == got.shape and torch.equal(expected, got):
+        return None
+    if expected.shape != got.shape:
+        return Mismatch(f"{what} (shape {tuple(got.shape)} != {tuple(expected.shape)})", math.inf, -1, -1, params)
+    e, g = expected.double(), got.double()
+    same = (e == g) | (torch.isnan(e) & torch.isnan(g))
+    diff = (e - g).abs().nan_to_num(nan=math.inf)
+    return Mismatch(what, float(diff.max()), int((~same).sum()), same.numel(), params)
+
+
+def random_tensor(shape, dtype, generator, scale: float = 1.0, device="cpu", spread: int = 0) -> torch.Tensor:
+    """Random normal values (never zeros or constants), rounded to ``dtype``. With ``spread`` > 0 each
+    value is also scaled by 2**e, e uniform in [-spread, spread], so that sums are rarely exact and
+    reduction orders show (bf16 products of similar magnitude often sum exactly in fp32)."""
+    values = torch.randn(*shape, generator=generator) * scale
+    if spread:
+        values = values * torch.exp2(torch.randint(-spread, spread + 1, shape, generator=generator).float())
+    return values.to(dtype).to(device)
+
+
+# ---------------------------------------------------------------------------------------------
+# Batch invariance: a row alone vs the same row inside batches.
+# ---------------------------------------------------------------------------------------------
+
+def row_invariance(op_name: str, fn: Callable[[torch.Tensor], torch.Tensor], rows: torch.Tensor,
+                   batch_sizes: list[int], generator: torch.Generator, distinct: int = 48) -> list[Mismatch]:
+    """``fn`` maps (M, ...) rows to (M, ...) outputs row by row.
+
+    The first ``distinct`` rows are each computed alone once. Every batch is then drawn from them
+    at random (so each row appears at random positions, permuted and repeated), and *every* row of
+    the batch output must equal that row's output alone. Also: a batch repeating one row, and
+    determinism (the same call twice)."""
+    pool = rows[:distinct]
+    alone = torch.cat([fn(pool[i:i + 1]) for i in range(pool.shape[0])])
+    failures = []
+    if (m := compare(f"{op_name}: determinism (same call twice)", alone[:1], fn(pool[:1]))):
+        failures.append(m)
+
+    def check(what: str, index: torch.Tensor) -> None:
+        got = fn(pool[index])
+        expected = alone[index]
+        if (m := compare(what, expected, got, batch=len(index))) is not None:
+            flat_bad = (got.reshape(len(index), -1) != expected.reshape(len(index), -1)).any(-1)
+            positions = flat_bad.nonzero().flatten()
+            m.params["rows_differing"] = int(positions.numel())
+            m.params["first_position"] = int(positions[0]) if positions.numel() else -1
+            m.params["first_row"] = int(index[positions[0]]) if positions.numel() else -1
+            failures.append(m)
+
+    for size in batch_sizes:
+        if size > 1:
+            check(f"{op_name}: rows alone vs inside a batch (random positions, permuted, repeated)",
+                  torch.randint(0, pool.shape[0], (size,), generator=generator))
+    size = max(batch_sizes)
+    if size > 1:
+        check(f"{op_name}: row alone vs a batch repeating it", torch.zeros(size, dtype=torch.long))
+    return failures
+
+
+# ---------------------------------------------------------------------------------------------
+# Phase consistency: attention for a sequence in prefill, chunked prefill and decode.
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class AttentionCase:
+    seq_len: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    seed: int
+
+    def tensors(self, device="cpu"):
+        g = torch.Generator().manual_seed(self.seed)
+        q = random_tensor((self.seq_len, self.q_heads, self.head_dim), self.dtype, g, device=device)
+        k = random_tensor((self.seq_len, self.kv_heads, self.head_dim), self.dtype, g, device=device)
+        v = random_tensor((self.seq_len, self.kv_heads, self.head_dim), self.dtype, g, device=device)
+        return q, k, v
+
+
+def run_schedule(backend: Backend, case: AttentionCase, steps: list[int], page_size: int,
+                 mates: int = 0, seed: int = 0) -> torch.Tensor:
+    """Attention output (seq_len, Hq, D) for the case's sequence, fed in ``steps`` (query counts per
+    call, summing to seq_len), with pages handed out in a scrambled order. With ``mates`` > 0 each
+    call also carries that many other sequences (random lengths and phases) as batch-mates."""
+    device = backend.device
+    q, k, v = case.tensors(device)
+    gen = torch.Generator().manual_seed(seed)
+    mate_cases = [AttentionCase(int(torch.randint(1, 2 * case.seq_len + 2, (1,), generator=gen)), case.q_heads,
+                                case.kv_heads, case.head_dim, case.dtype, seed * 1000 + i + 1) for i in range(mates)]
+    mate_tensors = [c.tensors(device) for c in mate_cases]
+    total_tokens = case.seq_len + sum(c.seq_len for c in mate_cases)
+    num_pages = pages_needed(total_tokens, page_size) + len(mate_cases) + 8
+    cache = PagedKVCache.allocate(num_pages, page_size, case.kv_heads, case.head_dim, case.dtype, device)
+    allocator = PageAllocator(num_pages, gen)
+    pages = allocator.take(pages_needed(case.seq_len, page_size))
+    mate_pages = [allocator.take(pages_needed(c.seq_len, page_size)) for c in mate_cases]
+    mate_done = [0] * len(mate_cases)
+    out = torch.empty_like(q)
+    done = 0
+    for step in steps:
+        # Batch-mates advance by a random amount (prefill chunk or one decode token).
+        q_parts, q_lens, seq_lens, page_lists, slots, k_new, v_new = [], [], [], [], [], [], []
+        order = torch.randperm(len(mate_cases) + 1, generator=gen).tolist()
+        for idx in order:
+            if idx == len(mate_cases):
+                lo, hi = done, done + step
+                q_parts.append(q[lo:hi]); k_new.append(k[lo:hi]); v_new.append(v[lo:hi])
+                slots.append(slot_mapping(pages, range(lo, hi), page_size, device))
+                q_lens.append(step); seq_lens.append(hi); page_lists.append(pages)
+            else:
+                c, (mq, mk, mv) = mate_cases[idx], mate_tensors[idx]
+                lo = mate_done[idx]
+                if lo >= c.seq_len:
+                    continue
+                hi = min(c.seq_len, lo + int(torch.randint(1, 9, (1,), generator=gen)))
+                q_parts.append(mq[lo:hi]); k_new.append(mk[lo:hi]); v_new.append(mv[lo:hi])
+                slots.append(slot_mapping(mate_pages[idx], range(lo, hi), page_size, device))
+                q_lens.append(hi - lo); seq_lens.append(hi); page_lists.append(mate_pages[idx])
+                mate_done[idx] = hi
+        backend.write_kv(torch.cat(k_new), torch.cat(v_new), cache.k, cache.v, torch.cat(slots))
+        meta = build_metadata(q_lens, seq_lens, page_lists, device)
+        result = backend.attention(torch.cat(q_parts), cache.k, cache.v, meta, scale=case.head_dim ** -0.5)
+        at = sum(q_lens[: order.index(len(mate_cases))])
+        out[done:done + step] = result[at:at + step]
+        done += step
+    return out
+
+
+def attention_phases(backend: Backend, case: AttentionCase, cuts: list[int], page_sizes: list[int],
+                     decode_from: int, mates: int = 3) -> list[Mismatch]:
+    """Full prefill (first page size, no batch-mates) is the baseline; compare chunked prefill at each
+    cut, token-by-token decode from ``decode_from``, other page sizes, and calls with batch-mates."""
+    params = dict(seq_len=case.seq_len, q_heads=case.q_heads, kv_heads=case.kv_heads,
+                  head_dim=case.head_dim, dtype=str(case.dtype).replace("torch.", ""), seed=case.seed)
+    full = run_schedule(backend, case, [case.seq_len], page_sizes[0])
+    failures = []
+    for page_size in page_sizes:
+        schedules = {"full prefill": [case.seq_len]} if page_size != page_sizes[0] else {}
+        for cut in cuts:
+            if 0 < cut < case.seq_len:
+                schedules[f"chunked prefill cut at {cut}"] = [cut, case.seq_len - cut]
+        if 0 < decode_from < case.seq_len:
+            schedules[f"prefill {decode_from} then decode token by token"] = \
+                [decode_from] + [1] * (case.seq_len - decode_from)
+        for label, steps in schedules.items():
+            got = run_schedule(backend, case, steps, page_size, seed=len(steps))
+            if (m := compare(f"attention: {label} vs full prefill", full, got, page_size=page_size, **params)):
+                failures.append(m)
+    if mates:
+        steps = [cuts[0], case.seq_len - cuts[0]] if cuts and 0 < cuts[0] < case.seq_len else [case.seq_len]
+        got = run_schedule(backend, case, steps, page_sizes[-1], mates=mates, seed=7)
+        if (m := compare("attention: with batch-mates in every call vs alone", full, got,
+                         page_size=page_sizes[-1], mates=mates, **params)):
+            failures.append(m)
+    return failures
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-op row functions for batch invariance.
+# ---------------------------------------------------------------------------------------------
+
+def op_row_functions(backend: Backend, width: int, out_features: int, dtype: torch.dtype,
+                     generator: torch.Generator) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    """For each row op: a function of a (M, width) batch, with its weights fixed here."""
+    device = backend.device
+    weight = random_tensor((out_features, width), dtype, generator, device=device, spread=8)
+    bias = random_tensor((out_features,), dtype, generator, device=device)
+    norm_weight = random_tensor((width,), dtype, generator, device=device)
+    table = cos_sin_cache(width if width % 2 == 0 else width - 1, 64, device=device) if width > 1 else None
+
+    def residual_for(x):
+        # A residual derived from the row itself, so a row keeps its residual wherever it sits.
+        return (x.float() * 0.5 + 0.25).to(x.dtype).flip(-1)
+
+    def token_ids_for(x):
+        # Token chosen from the row's own bits, so it moves with the row.
+        return (x.float().abs().argmax(-1) * 7 + 3) % x.shape[-1]
+
+    def topk_row(x):
+        # Rounded to integers so that rows are full of ties.
+        values, indices = backend.topk((x.float() * 2).round().to(x.dtype), min(5, x.shape[-1]))
+        return torch.cat([values.float(), indices.float()], -1)
+
+    fns = {
+        "linear": lambda x: backend.linear(x, weight),
+        "linear+bias": lambda x: backend.linear(x, weight, bias),
+        "linear->fp32 logits": lambda x: backend.linear(x, weight, out_dtype=torch.float32),
+        "rms_norm": lambda x: backend.rms_norm(x, norm_weight, 1e-6),
+        "rms_norm+residual": lambda x: torch.cat(backend.rms_norm(x, norm_weight, 1e-6, residual_for(x)), -1),
+        "log_softmax": lambda x: backend.log_softmax(x.float() * 4.0),
+        "log_softmax T=0.7": lambda x: backend.log_softmax(x.float() * 4.0, temperature=0.7),
+        "token_logprobs": lambda x: backend.token_logprobs(x.float() * 4.0, token_ids_for(x)).unsqueeze(-1),
+        "sum": lambda x: backend.sum(x).unsqueeze(-1),
+        "mean": lambda x: backend.mean(x).unsqueeze(-1),
+        "topk": topk_row,
+    }
+    if width % 2 == 0:
+        fns["silu_mul"] = lambda x: backend.silu_mul(x)
+    if table is not None and width % 2 == 0:
+        def rotary(x):
+            pos = (x.float().abs().sum(-1) * 13).long() % 64
+            q, k = backend.rotary(pos, x.unsqueeze(1), x.unsqueeze(1), table)
+            return torch.cat([q, k], -1).squeeze(1)
+        fns["rotary"] = rotary
+    return fns

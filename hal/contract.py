@@ -1,0 +1,340 @@
+"""The numerical contract: the data that decides the bits, its loader, validator and fingerprint.
+
+A contract is a TOML file in ``contracts/`` (installed as ``hal.contracts``). It pins only what
+changes bits: reduction chunk sizes and their order, where values are rounded, which exp/log/sqrt
+variant is used, how softmax chunks and KV splits are merged, how ties are broken. Tiling,
+warps and parallelisation are *not* in the contract: a backend may choose them freely.
+
+Every section below is a frozen dataclass; each field carries the values it accepts. Loading
+checks that every key is known, present, of the right type and allowed, then checks the
+combinations (``_check_combinations``). The fingerprint is the sha256 of a canonical JSON
+serialisation of the validated values, so comments and key order in the file do not matter and
+it is the same in every process and on every platform.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import sys
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, Callable
+
+from hal.errors import ContractError, UnknownContractError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+SCHEMA = "hal-contract/1"  # the schema of the file itself; bump when sections/keys change meaning
+
+
+# ---------------------------------------------------------------------------------------------
+# Field helpers: each field says which Python type it has and which values it accepts.
+# ---------------------------------------------------------------------------------------------
+
+def _choice(*allowed: str, doc: str) -> Any:
+    return field(metadata={"type": str, "check": lambda v: v in allowed,
+                           "expected": " or ".join(repr(a) for a in allowed), "doc": doc})
+
+
+def _int(check: Callable[[int], bool], expected: str, doc: str) -> Any:
+    return field(metadata={"type": int, "check": check, "expected": expected, "doc": doc})
+
+
+def _str(doc: str) -> Any:
+    return field(metadata={"type": str, "check": lambda v: bool(v.strip()),
+                           "expected": "a non-empty string", "doc": doc})
+
+
+def _str_list(allowed: tuple[str, ...] | None, doc: str) -> Any:
+    expected = ("a non-empty list of " + ", ".join(repr(a) for a in allowed)) if allowed \
+        else "a list of strings"
+
+    def check(v: list) -> bool:
+        if allowed is None:
+            return True
+        return bool(v) and all(x in allowed for x in v) and len(set(v)) == len(v)
+
+    return field(metadata={"type": list, "item_type": str, "check": check,
+                           "expected": expected, "doc": doc})
+
+
+def _positive_multiple_of(m: int) -> Callable[[int], bool]:
+    return lambda v: v > 0 and v % m == 0
+
+
+def _power_of_two(v: int) -> bool:
+    return v > 0 and (v & (v - 1)) == 0
+
+
+DTYPES = ("bfloat16", "float32")
+
+
+# ---------------------------------------------------------------------------------------------
+# The sections.
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Header:
+    name: str = _str("short name used to select the contract")
+    version: int = _int(lambda v: v >= 1, "an integer >= 1", "bumped whenever any bit-deciding value changes")
+    description: str = _str("one paragraph for people")
+    activation_dtypes: list = _str_list(DTYPES, "dtypes of weights/activations this contract covers")
+    implementation_defined: list = _str_list(None, "what a backend may choose (no cross-vendor bit equality)")
+
+
+@dataclass(frozen=True)
+class Gemm:
+    accumulate_dtype: str = _choice("float32", doc="dtype of every partial sum")
+    k_chunk: int = _int(_positive_multiple_of(16), "a positive multiple of 16",
+                        "K is reduced in chunks of k_chunk at absolute offsets 0, k_chunk, ...")
+    chunk_order: str = _choice("ascending", doc="each chunk accumulated from zero; chunk sums added in "
+                                                "ascending order in fp32")
+    bias: str = _choice("fp32_before_rounding", doc="bias added in fp32 to the combined sum, before the output rounding")
+    output_rounding: str = _choice("nearest_even", doc="the single rounding to the output dtype")
+    logits_dtype: str = _choice("float32", doc="dtype of lm_head outputs (no rounding to the activation dtype)")
+
+
+@dataclass(frozen=True)
+class Attention:
+    score_dtype: str = _choice("float32", doc="q.k is accumulated and rounded to this dtype")
+    scale: str = _choice("folded_log2e", doc="s = fl32(score * fl32(scale * log2(e))); probabilities use exp2")
+    exp: str = _choice("exp2", doc="p = exp2(s - m)")
+    kv_chunk: int = _int(_power_of_two, "a power of two",
+                         "online softmax over KV chunks at absolute key positions 0, C, 2C, ...")
+    kv_split: int = _int(lambda v: v >= 0, "0 (no split) or a multiple of kv_chunk",
+                         "keys are split at absolute positions 0, S, 2S, ...; each split runs its own online "
+                         "softmax and splits are merged in ascending order (a fixed size, never a count)")
+    split_merge: str = _choice("ascending_rescale", doc="M'=max(M,m); a=exp2(M-M'); b=exp2(m-M'); "
+                                                        "L'=fl(fl(L*a)+fl(l*b)); A'=fl(fl(A*a)+fl(acc*b))")
+    mask: str = _choice("select_before_max", doc="masked keys are selected out before the max and contribute exact zeros")
+    p_dtype: str = _choice("activation", doc="P is rounded to the activation dtype before P@V")
+    row_sum: str = _choice("sum_of_rounded_p", doc="the softmax denominator sums the same rounded P that multiplies V")
+    online_update: str = _choice("rescale_then_add", doc="alpha=exp2(m_old-m_new); l=fl(fl(l*alpha)+rowsum); "
+                                                         "acc=fl(fl(acc*alpha)+pv)")
+    output: str = _choice("divide_rn_then_round", doc="out = round(fl32(acc / l)) to the activation dtype")
+    gqa: str = _choice("head_div_group", doc="query head h reads KV head h // (num_q_heads // num_kv_heads)")
+
+
+@dataclass(frozen=True)
+class RmsNorm:
+    compute_dtype: str = _choice("float32", doc="x is upcast before any arithmetic")
+    residual_add: str = _choice("fp32_add_round_to_activation",
+                                doc="residual_out = round_act(fl32(x + residual)); the norm reads residual_out")
+    row_block: int = _int(_positive_multiple_of(16), "a positive multiple of 16",
+                          "the sum of squares is reduced in blocks of row_block at absolute offsets, "
+                          "block sums added in ascending order")
+    inv_rms: str = _choice("div_rn_sqrt_rn", doc="inv = fl32(1 / sqrt_rn(fl32(fl32(ss / n) + eps)))")
+    weight_multiply: str = _choice("fp32_round_once", doc="out = round_act(fl32(fl32(x * inv) * w))")
+
+
+@dataclass(frozen=True)
+class SiluMul:
+    formula: str = _choice("x_div_1p_exp_neg_x", doc="silu(g) = fl32(g / fl32(1 + exp(-g)))")
+    exp: str = _choice("exp", doc="natural exp")
+    rounding: str = _choice("fp32_round_once", doc="out = round_act(fl32(silu(g) * u))")
+
+
+@dataclass(frozen=True)
+class Rope:
+    style: str = _choice("neox", doc="rotate halves: o1 = x1*c - x2*s, o2 = x2*c + x1*s")
+    table: str = _choice("fp64_scalar_libm_fp32", doc="cos/sin computed element by element in fp64 with the "
+                                                      "C library, rounded to fp32, one table shared by all")
+    fma: str = _choice("none", doc="each product rounded to fp32 before the add (no FMA contraction)")
+    rounding: str = _choice("fp32_round_once", doc="rotated values rounded once to the activation dtype")
+
+
+@dataclass(frozen=True)
+class Logprobs:
+    dtype: str = _choice("float32", doc="logits are upcast; every step is fp32")
+    temperature: str = _choice("divide_first", doc="x = fl32(logit / T) before the max (skipped when T == 1)")
+    vocab_chunk: int = _int(_positive_multiple_of(16), "a positive multiple of 16",
+                            "sum of exp(x - max) in chunks of vocab_chunk at absolute offsets, ascending")
+    exp: str = _choice("exp", doc="natural exp of fl32(x - max)")
+    log: str = _choice("log", doc="logp = fl32(fl32(x - max) - log(sum))")
+
+
+@dataclass(frozen=True)
+class Reduce:
+    accumulate_dtype: str = _choice("float32", doc="sum and mean accumulate and return fp32")
+    row_block: int = _int(_positive_multiple_of(16), "a positive multiple of 16",
+                          "reduced in blocks of row_block at absolute offsets, block sums added ascending")
+    mean: str = _choice("div_rn", doc="mean = fl32(sum / n)")
+
+
+@dataclass(frozen=True)
+class TopK:
+    ties: str = _choice("lower_index", doc="equal values: the lower index wins")
+    order: str = _choice("value_desc_index_asc", doc="outputs sorted by value descending, then index ascending")
+
+
+SECTIONS: dict[str, type] = {
+    "contract": Header, "gemm": Gemm, "attention": Attention, "rms_norm": RmsNorm,
+    "silu_mul": SiluMul, "rope": Rope, "logprobs": Logprobs, "reduce": Reduce, "topk": TopK,
+}
+
+
+@dataclass(frozen=True)
+class Contract:
+    """A validated contract. Read its numbers through the sections (``contract.gemm.k_chunk``)."""
+
+    header: Header
+    gemm: Gemm
+    attention: Attention
+    rms_norm: RmsNorm
+    silu_mul: SiluMul
+    rope: Rope
+    logprobs: Logprobs
+    reduce: Reduce
+    topk: TopK
+    source: str = field(compare=False, default="<memory>")
+
+    @property
+    def name(self) -> str:
+        return self.header.name
+
+    @property
+    def version(self) -> int:
+        return self.header.version
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """The validated values, section by section (what the fingerprint hashes)."""
+        out: dict[str, dict[str, Any]] = {"schema": {"id": SCHEMA}}
+        for section in SECTIONS:
+            attr = "header" if section == "contract" else section
+            out[section] = dataclasses.asdict(getattr(self, attr))
+        return out
+
+    def canonical_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+
+    @property
+    def fingerprint(self) -> str:
+        """sha256 of the canonical JSON serialisation: stable across processes and platforms."""
+        return hashlib.sha256(self.canonical_json().encode("ascii")).hexdigest()
+
+    @property
+    def short_fingerprint(self) -> str:
+        return self.fingerprint[:16]
+
+    def __str__(self) -> str:
+        return f"{self.name} v{self.version} ({self.short_fingerprint})"
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading and validation.
+# ---------------------------------------------------------------------------------------------
+
+def _type_name(t: type) -> str:
+    return {str: "a string", int: "an integer", list: "a list"}.get(t, t.__name__)
+
+
+def _validate_section(source: str, section: str, cls: type, raw: Any) -> Any:
+    if not isinstance(raw, dict):
+        raise ContractError(source, f"[{section}]", raw, "a table")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in raw:
+        if key not in fields:
+            raise ContractError(source, f"[{section}].{key}", raw[key],
+                                f"no such key; known keys of [{section}]: {', '.join(fields)}")
+    values = {}
+    for name, f in fields.items():
+        key = f"[{section}].{name}"
+        if name not in raw:
+            raise ContractError(source, key, "<missing>", f"{f.metadata['expected']} ({f.metadata['doc']})")
+        value = raw[name]
+        want = f.metadata["type"]
+        # bool is an int in Python; a contract never means True when it says 1.
+        if not isinstance(value, want) or isinstance(value, bool):
+            raise ContractError(source, key, value, _type_name(want))
+        if want is list:
+            bad = [x for x in value if not isinstance(x, f.metadata["item_type"])]
+            if bad:
+                raise ContractError(source, key, value, f"a list of {_type_name(f.metadata['item_type'])}s")
+        if not f.metadata["check"](value):
+            raise ContractError(source, key, value, f.metadata["expected"])
+        values[name] = value
+    return cls(**values)
+
+
+def _check_combinations(source: str, c: Contract) -> None:
+    """Values that are fine alone but impossible together."""
+    a = c.attention
+    if a.kv_split and a.kv_split % a.kv_chunk:
+        raise ContractError(source, "[attention].kv_split", a.kv_split,
+                            f"0 or a multiple of [attention].kv_chunk ({a.kv_chunk})")
+
+
+def parse_contract(text: str, source: str = "<string>") -> Contract:
+    """Validate TOML text and return a Contract. Errors name ``source``."""
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ContractError(source, "<file>", "invalid TOML", f"valid TOML ({exc})") from exc
+    for section in raw:
+        if section not in SECTIONS:
+            raise ContractError(source, f"[{section}]", "<table>",
+                                f"one of the sections {', '.join(f'[{s}]' for s in SECTIONS)}")
+    parts = {}
+    for section, cls in SECTIONS.items():
+        if section not in raw:
+            raise ContractError(source, f"[{section}]", "<missing>", "the section to be present")
+        parts["header" if section == "contract" else section] = _validate_section(source, section, cls, raw[section])
+    contract = Contract(**parts, source=source)
+    _check_combinations(source, contract)
+    return contract
+
+
+def load_contract_file(path: str | Path) -> Contract:
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise UnknownContractError(f"cannot read contract file {path}: {exc.strerror}") from exc
+    return parse_contract(text, source=str(path))
+
+
+def _shipped() -> dict[str, Any]:
+    """Contract name -> resource of every contract shipped in hal.contracts."""
+    found = {}
+    for entry in resources.files("hal.contracts").iterdir():
+        if entry.name.endswith(".toml"):
+            found[entry.name[: -len(".toml")]] = entry
+    return dict(sorted(found.items()))
+
+
+def available_contracts() -> list[str]:
+    return list(_shipped())
+
+
+DEFAULT_CONTRACT = "bf16-dense-v1"
+
+
+def load_contract(name_or_path: str | Path | None = None) -> Contract:
+    """Load a shipped contract by name (``bf16-dense-v1``) or any contract file by path."""
+    if name_or_path is None:
+        name_or_path = DEFAULT_CONTRACT
+    if isinstance(name_or_path, Path) or str(name_or_path).endswith(".toml"):
+        return load_contract_file(name_or_path)
+    shipped = _shipped()
+    if name_or_path not in shipped:
+        raise UnknownContractError(
+            f"no contract named {name_or_path!r}; shipped contracts: {', '.join(shipped) or 'none'} "
+            f"(or give a path to a .toml file)")
+    entry = shipped[name_or_path]
+    source = f"contracts/{entry.name}"
+    contract = parse_contract(entry.read_text(encoding="utf-8"), source=source)
+    if contract.name != name_or_path:
+        raise ContractError(source, "[contract].name", contract.name, f"{name_or_path!r} (the file's name)")
+    return contract
+
+
+def describe_fields() -> dict[str, dict[str, str]]:
+    """Section -> key -> documentation, for ``hal contract show`` and the docs."""
+    return {section: {f.name: f.metadata["doc"] for f in dataclasses.fields(cls)}
+            for section, cls in SECTIONS.items()}
