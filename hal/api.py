@@ -20,7 +20,7 @@ import torch
 
 from hal.backend import Backend
 from hal.contract import Contract, load_contract
-from hal.errors import BackendUnavailableError, HalError
+from hal.errors import BackendUnavailableError, ContractMismatchError, HalError
 from hal.registry import backend_class, describe_installed, discover
 
 _active: contextvars.ContextVar[Backend | None] = contextvars.ContextVar("hal_active_backend", default=None)
@@ -98,3 +98,15 @@ def current() -> Backend:
 def active_fingerprint() -> str | None:
     """The fingerprint of the contract the current backend realises (None for a baseline)."""
     return current().fingerprint
+
+
+def require_fingerprint(backend: Backend, expected: str | None, *, other_side: str = "the other side") -> None:
+    """Raise if ``backend`` does not realise the contract with fingerprint ``expected``.
+
+    Used wherever two sides must agree (engine and trainer, a backend and a recorded run).
+    """
+    if backend.fingerprint != expected:
+        raise ContractMismatchError(
+            f"contract mismatch: backend {backend.name!r} realises "
+            f"{backend.contract or 'no contract'} (fingerprint {backend.fingerprint}), but {other_side} "
+            f"expects fingerprint {expected}. Bind both sides to the same contract (HAL_CONTRACT / contract=...).")

@@ -84,6 +84,20 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(seed=args.seed)
 
 
+def _conformance(args: argparse.Namespace) -> int:
+    import pytest
+
+    argv = ["--pyargs", "hal.conformance", "-p", "no:cacheprovider", "-q", "--hal-backend", args.backend,
+            "--hal-depth", "full" if args.full else "quick"]
+    if args.contract:
+        argv += ["--hal-contract", args.contract]
+    if args.json:
+        argv += ["--hal-json", args.json]
+    if args.max_examples:
+        argv += ["--hal-max-examples", str(args.max_examples)]
+    return int(pytest.main(argv + list(args.pytest_args)))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hal", description="numerical-contract HAL for bitwise-consistent RL")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -94,6 +108,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", nargs="?", help="contract name (see `hal contract list`) or path to a .toml file")
     p.add_argument("--json", action="store_true", help="print the validated contract as JSON")
     p.set_defaults(func=_contract)
+    p = sub.add_parser("conformance", help="run the conformance kit against a backend (a pytest plugin)")
+    p.add_argument("--backend", required=True, help="backend name (see `hal doctor`)")
+    p.add_argument("--contract", help="contract name or .toml path (default: the backend's first)")
+    p.add_argument("--json", help="write the JSON report here (and Markdown next to it)")
+    depth = p.add_mutually_exclusive_group()
+    depth.add_argument("--quick", action="store_true", help="a few derandomised examples per test (default)")
+    depth.add_argument("--full", action="store_true", help="many examples, larger shapes, shrinking")
+    p.add_argument("--max-examples", type=int, help="hypothesis examples per test")
+    p.add_argument("pytest_args", nargs="*", help="extra pytest arguments after --, e.g. -- -k linear -x")
+    p.set_defaults(func=_conformance)
     p = sub.add_parser("demo", help="show the train/rollout mismatch of stock kernels and its fix, on this machine")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_demo)

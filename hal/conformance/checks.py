@@ -116,10 +116,13 @@ class AttentionCase:
 
 
 def run_schedule(backend: Backend, case: AttentionCase, steps: list[int], page_size: int,
-                 mates: int = 0, seed: int = 0) -> torch.Tensor:
+                 mates: int = 0, seed: int = 0,
+                 post: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """Attention output (seq_len, Hq, D) for the case's sequence, fed in ``steps`` (query counts per
     call, summing to seq_len), with pages handed out in a scrambled order. With ``mates`` > 0 each
-    call also carries that many other sequences (random lengths and phases) as batch-mates."""
+    call also carries that many other sequences (random lengths and phases) as batch-mates.
+    ``post`` (optional) maps each call's whole output (rows, Hq, D) to (rows, ...), as the rest of a
+    decoder block would on that step's batch; the case's rows of it are returned."""
     device = backend.device
     q, k, v = case.tensors(device)
     gen = torch.Generator().manual_seed(seed)
@@ -133,7 +136,7 @@ def run_schedule(backend: Backend, case: AttentionCase, steps: list[int], page_s
     pages = allocator.take(pages_needed(case.seq_len, page_size))
     mate_pages = [allocator.take(pages_needed(c.seq_len, page_size)) for c in mate_cases]
     mate_done = [0] * len(mate_cases)
-    out = torch.empty_like(q)
+    outputs = []
     done = 0
     for step in steps:
         # Batch-mates advance by a random amount (prefill chunk or one decode token).
@@ -142,6 +145,7 @@ def run_schedule(backend: Backend, case: AttentionCase, steps: list[int], page_s
         for idx in order:
             if idx == len(mate_cases):
                 lo, hi = done, done + step
+                at = sum(q_lens)
                 q_parts.append(q[lo:hi]); k_new.append(k[lo:hi]); v_new.append(v[lo:hi])
                 slots.append(slot_mapping(pages, range(lo, hi), page_size, device))
                 q_lens.append(step); seq_lens.append(hi); page_lists.append(pages)
@@ -158,19 +162,54 @@ def run_schedule(backend: Backend, case: AttentionCase, steps: list[int], page_s
         backend.write_kv(torch.cat(k_new), torch.cat(v_new), cache.k, cache.v, torch.cat(slots))
         meta = build_metadata(q_lens, seq_lens, page_lists, device)
         result = backend.attention(torch.cat(q_parts), cache.k, cache.v, meta, scale=case.head_dim ** -0.5)
-        at = sum(q_lens[: order.index(len(mate_cases))])
-        out[done:done + step] = result[at:at + step]
+        if post is not None:
+            result = post(result)
+        outputs.append(result[at:at + step])
         done += step
-    return out
+    return torch.cat(outputs)
+
+
+def decoder_block_after_attention(backend: Backend, case: AttentionCase, vocab: int = 97) -> Callable:
+    """What follows attention in a decoder layer and the head, as one row function of the attention
+    output: o_proj, fused residual add + RMSNorm, gate_up, SiLU*up, down, final norm, lm_head in
+    fp32, log-probabilities of a token chosen from the row. Weights are fixed by the case's seed."""
+    g = torch.Generator().manual_seed(case.seed + 17)
+    hidden = case.q_heads * case.head_dim
+    dtype, device = case.dtype, backend.device
+    o_proj = random_tensor((hidden, hidden), dtype, g, scale=hidden ** -0.5, device=device)
+    norm_w = random_tensor((hidden,), dtype, g, device=device)
+    gate_up = random_tensor((4 * hidden, hidden), dtype, g, scale=hidden ** -0.5, device=device)
+    down = random_tensor((hidden, 2 * hidden), dtype, g, scale=(2 * hidden) ** -0.5, device=device)
+    lm_head = random_tensor((vocab, hidden), dtype, g, scale=hidden ** -0.5, device=device)
+
+    def block(attn_out: torch.Tensor) -> torch.Tensor:
+        x = attn_out.reshape(attn_out.shape[0], hidden)
+        h = backend.linear(x, o_proj)
+        normed, residual = backend.rms_norm(h, norm_w, 1e-6, residual=x)
+        mlp = backend.linear(backend.silu_mul(backend.linear(normed, gate_up)), down)
+        final, _ = backend.rms_norm(mlp, norm_w, 1e-6, residual=residual)
+        logits = backend.linear(final, lm_head, out_dtype=torch.float32)
+        tokens = (x.float().abs().argmax(-1) * 7 + 3) % vocab
+        return torch.cat([final.float(), backend.token_logprobs(logits, tokens).unsqueeze(-1)], -1)
+
+    return block
 
 
 def attention_phases(backend: Backend, case: AttentionCase, cuts: list[int], page_sizes: list[int],
-                     decode_from: int, mates: int = 3) -> list[Mismatch]:
+                     decode_from: int, mates: int = 3, block: bool = False) -> list[Mismatch]:
     """Full prefill (first page size, no batch-mates) is the baseline; compare chunked prefill at each
-    cut, token-by-token decode from ``decode_from``, other page sizes, and calls with batch-mates."""
+    cut, token-by-token decode from ``decode_from``, other page sizes, and calls with batch-mates.
+    With ``block`` the compared output is the rest of a decoder block and the token logprobs
+    computed on each call's batch (``decoder_block_after_attention``), not the attention output."""
     params = dict(seq_len=case.seq_len, q_heads=case.q_heads, kv_heads=case.kv_heads,
                   head_dim=case.head_dim, dtype=str(case.dtype).replace("torch.", ""), seed=case.seed)
-    full = run_schedule(backend, case, [case.seq_len], page_sizes[0])
+    post = decoder_block_after_attention(backend, case) if block else None
+    what = "decoder block" if block else "attention"
+
+    def run(steps, page_size, **kw):
+        return run_schedule(backend, case, steps, page_size, post=post, **kw)
+
+    full = run([case.seq_len], page_sizes[0])
     failures = []
     for page_size in page_sizes:
         schedules = {"full prefill": [case.seq_len]} if page_size != page_sizes[0] else {}
@@ -181,13 +220,13 @@ def attention_phases(backend: Backend, case: AttentionCase, cuts: list[int], pag
             schedules[f"prefill {decode_from} then decode token by token"] = \
                 [decode_from] + [1] * (case.seq_len - decode_from)
         for label, steps in schedules.items():
-            got = run_schedule(backend, case, steps, page_size, seed=len(steps))
-            if (m := compare(f"attention: {label} vs full prefill", full, got, page_size=page_size, **params)):
+            got = run(steps, page_size, seed=len(steps))
+            if (m := compare(f"{what}: {label} vs full prefill", full, got, page_size=page_size, **params)):
                 failures.append(m)
     if mates:
         steps = [cuts[0], case.seq_len - cuts[0]] if cuts and 0 < cuts[0] < case.seq_len else [case.seq_len]
-        got = run_schedule(backend, case, steps, page_sizes[-1], mates=mates, seed=7)
-        if (m := compare("attention: with batch-mates in every call vs alone", full, got,
+        got = run(steps, page_sizes[-1], mates=mates, seed=7)
+        if (m := compare(f"{what}: with batch-mates in every call vs alone", full, got,
                          page_size=page_sizes[-1], mates=mates, **params)):
             failures.append(m)
     return failures

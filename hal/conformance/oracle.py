@@ -42,3 +42,13 @@ def rotary(positions, x, cos_sin):
     x = x.double()
     x1, x2 = x[..., : rot // 2], x[..., rot // 2: rot]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., rot:]], -1)
+
+
+def rotary_magnitude(positions, x, cos_sin):
+    """|x1 c| + |x2 s| (and |x2 c| + |x1 s|): the scale of the rounding errors of ``rotary``."""
+    rot = cos_sin.shape[-1]
+    cos, sin = cos_sin[positions].double().abs().chunk(2, -1)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    x = x.double().abs()
+    x1, x2 = x[..., : rot // 2], x[..., rot // 2: rot]
+    return torch.cat([x1 * cos + x2 * sin, x2 * cos + x1 * sin, x[..., rot:]], -1)

@@ -1,0 +1,162 @@
+"""Level 5: accuracy against an fp64 oracle, within bounds every conforming backend must meet.
+
+The bounds follow from the contract's rounding points, with room for what the contract leaves
+implementation-defined (the order inside one reduction chunk, exp/log to a few ulp):
+
+  u = 2**-24 (one fp32 rounding); r = one rounding to the activation dtype with margin
+  (2**-8 for bf16, 2**-22 for fp32).
+
+  linear        |err| <= (2 ceil(K/16) + 2 chunks + 2) u sum|x w| (+ r |y| when rounded to bf16/fp32 act.)
+                 (fp32 accumulation of at most one rounding per 16-wide MMA step, plus the chunk combine)
+  attention     |err| <= 2 r max|v| + r |y| + 256 u max|v|  (P rounded to the act. dtype; the
+                 denominator sums the same rounded P, so the output is a convex combination of V)
+  rms_norm      |err| <= (r + 64 u) |y|
+  silu_mul      |err| <= (r + 32 u) |y|
+  rotary        |err| <= r |y| + 8 u (|x1 c| + |x2 s|)
+  log_softmax   |err| <= 2**-18 (1 + |x/T| + max|x/T| + |logp|)
+  sum, mean     |err| <= (2 log2(block) + blocks + 2) u sum|x|   (mean: / n, + u |mean|)
+  topk, write_kv exact
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from hal.backend import Backend
+from hal.conformance import oracle
+from hal.conformance.checks import AttentionCase, random_tensor, run_schedule
+from hal.rope import cos_sin_cache
+
+U = 2.0 ** -24
+
+
+def act_rel(dtype: torch.dtype) -> float:
+    return 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -22
+
+
+def _check(what: str, got: torch.Tensor, exact: torch.Tensor, bound: torch.Tensor) -> list[str]:
+    err = (got.double() - exact).abs()
+    bad = ~(err <= bound)
+    if not bool(bad.any()):
+        return []
+    worst = int((err - bound).nan_to_num(nan=math.inf).argmax())
+    return [f"{what}: {int(bad.sum())}/{bad.numel()} values outside the bound; worst at flat index {worst}: "
+            f"|err| {float(err.flatten()[worst]):.3g} > bound {float(bound.flatten()[worst]):.3g}"]
+
+
+def accuracy_problems(backend: Backend, op: str, size: int, width: int, dtype: torch.dtype, seed: int) -> list[str]:
+    """Run ``op`` on random inputs of ``size`` rows (or tokens) and ``width`` features; compare to fp64."""
+    g = torch.Generator().manual_seed(seed)
+    dev = backend.device
+    r = act_rel(dtype)
+
+    def rand(*shape, scale=1.0):
+        return random_tensor(shape, dtype, g, scale=scale, device=dev)
+
+    if op == "linear":
+        n = 37
+        x, w, b = rand(size, width), rand(n, width, scale=width ** -0.5), rand(n)
+        problems = []
+        for out_dtype in (dtype, torch.float32):
+            got = backend.linear(x, w, b, out_dtype=out_dtype).cpu()
+            exact = oracle.linear(x.cpu(), w.cpu(), b.cpu())
+            chunks = math.ceil(width / backend.contract.gemm.k_chunk) if backend.contract else 1
+            mag = x.cpu().double().abs() @ w.cpu().double().abs().T + b.cpu().double().abs()
+            bound = (2 * math.ceil(width / 16) + 2 * chunks + 2) * U * mag
+            if out_dtype == dtype:
+                bound = bound + r * exact.abs()
+            problems += _check(f"linear M={size} K={width} N={n} -> {out_dtype}", got, exact, bound)
+        return problems
+    if op == "attention":
+        case = AttentionCase(size, 4, 2, width, dtype, seed)
+        q, k, v = (t.cpu() for t in case.tensors())
+        got = run_schedule(backend, case, [size], page_size=16).cpu()
+        exact = oracle.attention(q, k, v, width ** -0.5)
+        vmax = v.double().abs().max()
+        return _check(f"attention L={size} D={width}", got, exact, 2 * r * vmax + r * exact.abs() + 256 * U * vmax)
+    if op == "rms_norm":
+        x, w, res = rand(size, width), rand(width), rand(size, width)
+        problems = []
+        for residual in (None, res):
+            got = backend.rms_norm(x, w, 1e-6, residual)
+            if residual is not None:
+                got, res_out = got
+                if not torch.equal(res_out.cpu(), (x.float() + res.float()).to(dtype).cpu()):
+                    problems.append("rms_norm: residual output is not round_act(fl32(x + residual))")
+            exact = oracle.rms_norm(x.cpu(), w.cpu(), 1e-6, None if residual is None else residual.cpu())
+            problems += _check(f"rms_norm rows={size} width={width} residual={residual is not None}",
+                               got.cpu(), exact, (r + 64 * U) * exact.abs())
+        return problems
+    if op == "silu_mul":
+        x = rand(size, 2 * width, scale=4.0)
+        exact = oracle.silu_mul(x.cpu())
+        return _check(f"silu_mul rows={size} I={width}", backend.silu_mul(x).cpu(), exact,
+                      (r + 32 * U) * exact.abs() + 1e-30)
+    if op == "rotary":
+        head_dim = 2 * max(1, width // 2)
+        table = cos_sin_cache(head_dim, 257, device=dev)
+        positions = torch.randint(0, 257, (size,), generator=g).to(dev)
+        q, k = rand(size, 4, head_dim), rand(size, 2, head_dim)
+        problems = []
+        for got, x in zip(backend.rotary(positions, q, k, table), (q, k)):
+            exact = oracle.rotary(positions.cpu(), x.cpu(), table.cpu())
+            mag = oracle.rotary_magnitude(positions.cpu(), x.cpu(), table.cpu())
+            problems += _check(f"rotary T={size} D={head_dim}", got.cpu(), exact, r * exact.abs() + 8 * U * mag)
+        return problems
+    if op in ("log_softmax", "token_logprobs"):
+        logits = random_tensor((size, width), torch.float32, g, scale=6.0, device=dev)
+        problems = []
+        for temperature in (1.0, 0.7):
+            exact = oracle.log_softmax(logits.cpu(), temperature)
+            scaled = logits.cpu().double().abs() / temperature
+            bound = 2.0 ** -18 * (1 + scaled + scaled.amax(-1, keepdim=True) + exact.abs())
+            if op == "log_softmax":
+                got = backend.log_softmax(logits, temperature).cpu()
+            else:
+                ids = torch.randint(0, width, (size,), generator=g)
+                got = backend.token_logprobs(logits, ids.to(dev), temperature).cpu()
+                pick = ids.view(-1, 1)
+                exact, bound = exact.gather(-1, pick).squeeze(-1), bound.gather(-1, pick).squeeze(-1)
+            problems += _check(f"{op} rows={size} V={width} T={temperature}", got, exact, bound)
+        return problems
+    if op in ("sum", "mean"):
+        x = rand(size, width)
+        block = backend.contract.reduce.row_block if backend.contract else width
+        blocks = math.ceil(width / block)
+        exact = x.cpu().double().sum(-1)
+        bound = (2 * math.ceil(math.log2(max(2, min(width, block)))) + blocks + 2) * U * x.cpu().double().abs().sum(-1)
+        if op == "sum":
+            return _check(f"sum rows={size} width={width}", backend.sum(x).cpu(), exact, bound)
+        mean = exact / width
+        return _check(f"mean rows={size} width={width}", backend.mean(x).cpu(), mean, bound / width + U * mean.abs())
+    if op == "topk":
+        x = torch.randint(-3, 4, (size, width), generator=g).to(dtype).to(dev)  # full of ties
+        k = min(width, 5)
+        values, indices = backend.topk(x, k)
+        problems = []
+        for i, row in enumerate(x.cpu().tolist()):
+            expected = sorted(range(width), key=lambda j: (-row[j], j))[:k]
+            if indices[i].tolist() != expected or values[i].cpu().tolist() != [row[j] for j in expected]:
+                problems.append(f"topk row {i}: got indices {indices[i].tolist()}, expected {expected} "
+                                f"(value descending, ties to the lower index)")
+                break
+        return problems
+    if op == "write_kv":
+        page = 16
+        k_new, v_new = rand(size, 2, width), rand(size, 2, width)
+        pages = math.ceil(size / page) + 3
+        k_cache = torch.zeros(pages, page, 2, width, dtype=dtype, device=dev)
+        v_cache = torch.zeros_like(k_cache)
+        slots = torch.randperm(pages * page, generator=g)[:size].to(dev)
+        slots[0] = -1 if size > 1 else slots[0]  # a padding slot: must be skipped
+        backend.write_kv(k_new, v_new, k_cache, v_cache, slots)
+        keep = slots >= 0
+        flat_k, flat_v = k_cache.view(-1, 2, width), v_cache.view(-1, 2, width)
+        ok = torch.equal(flat_k[slots[keep]], k_new[keep]) and torch.equal(flat_v[slots[keep]], v_new[keep])
+        untouched = torch.ones(pages * page, dtype=torch.bool, device=dev)
+        untouched[slots[keep]] = False
+        ok = ok and bool((flat_k[untouched] == 0).all()) and bool((flat_v[untouched] == 0).all())
+        return [] if ok else [f"write_kv T={size} D={width}: cache slots do not hold exactly the written K/V"]
+    raise ValueError(f"no accuracy check for op {op!r}")

@@ -1,0 +1,41 @@
+"""Helpers shared by the kit's test modules: run a named check, turn problems into a failure with a repro,
+and the awkward sizes hypothesis draws from."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import strategies as st
+
+from hal.conformance.runner import CHECKS, repro_command
+from hal.errors import UnsupportedError
+
+# Sizes that straddle tiles and thresholds: 1, primes, powers of two and their neighbours.
+AWKWARD_QUICK = [1, 2, 7, 16, 17, 31, 63, 64, 65, 127, 128, 129, 257, 511, 512, 513, 1000, 1024]
+AWKWARD_FULL = AWKWARD_QUICK + [2047, 2048, 2049, 4095, 4096, 4097, 5000]
+OUT_FEATURES = [1, 7, 16, 33, 64, 129, 256]
+
+
+def widths(depth: str):
+    return st.sampled_from(AWKWARD_QUICK if depth == "quick" else AWKWARD_FULL)
+
+
+def dtypes_of(backend) -> list[str]:
+    realised = {str(d).replace("torch.", "") for d in backend.dtypes}
+    contract = set(backend.contract.header.activation_dtypes) if backend.contract else {"bfloat16", "float32"}
+    return sorted(realised & contract)
+
+
+def run_check(check: str, backend, **params) -> None:
+    """Run one check; skip only on a declared UnsupportedError; fail with the problems and a repro."""
+    try:
+        problems = CHECKS[check](backend, **params)
+    except UnsupportedError as exc:
+        pytest.skip(f"unsupported by {backend.name}: {exc}")
+    except torch.cuda.OutOfMemoryError as exc:  # never a skip
+        pytest.fail(f"out of memory in {check} {params}: {exc}")
+    if problems:
+        listed = "\n".join(f"  - {p}" for p in problems[:8])
+        more = f"\n  ... and {len(problems) - 8} more" if len(problems) > 8 else ""
+        pytest.fail(f"{check} failed on backend {backend.name!r} ({len(problems)} problems):\n{listed}{more}\n"
+                    f"repro: {repro_command(check, backend, params)}", pytrace=False)

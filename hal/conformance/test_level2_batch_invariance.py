@@ -1,0 +1,39 @@
+"""Level 2: a row's bits do not depend on its batch: alone vs inside batches of many sizes, at random
+positions, permuted and repeated. For attention: a sequence alone vs with batch-mates in the call."""
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hal.conformance.kit import OUT_FEATURES, dtypes_of, run_check, widths
+from hal.conformance.runner import OP_OF, ROW_OPS
+
+BATCHES = {"quick": "1,2,7,16,17,33,64,65,129", "full": "1,2,3,7,15,16,17,31,32,33,63,64,65,127,128,129,255,257,1000"}
+
+
+@pytest.mark.hal(level=2)
+@pytest.mark.parametrize("op", sorted(set(OP_OF.values())))
+def test_row_op_batch_invariance(hal_backend, hal_depth, op):
+    variants = [v for v in ROW_OPS if OP_OF[v] == op]
+
+    @given(row_op=st.sampled_from(variants), width=widths(hal_depth), out=st.sampled_from(OUT_FEATURES),
+           dtype=st.sampled_from(dtypes_of(hal_backend)), seed=st.integers(0, 2 ** 16))
+    def check(row_op, width, out, dtype, seed):
+        if row_op in ("silu_mul", "rotary") and width % 2:
+            width += 1
+        run_check("batch_invariance", hal_backend, row_op=row_op, width=width, out_features=out, dtype=dtype,
+                  seed=seed, batches=BATCHES[hal_depth])
+
+    check()
+
+
+@pytest.mark.hal(level=2, op="attention")
+def test_attention_batch_invariance(hal_backend):
+    @given(seq_len=st.sampled_from([1, 2, 63, 64, 65, 200]), heads=st.sampled_from([(4, 1), (4, 2), (8, 8)]),
+           head_dim=st.sampled_from([64, 128]), page_size=st.sampled_from([16, 64]), mates=st.integers(1, 6),
+           dtype=st.sampled_from(dtypes_of(hal_backend)), seed=st.integers(0, 2 ** 16))
+    def check(seq_len, heads, head_dim, page_size, mates, dtype, seed):
+        run_check("attention_batch_invariance", hal_backend, seq_len=seq_len, q_heads=heads[0], kv_heads=heads[1],
+                  head_dim=head_dim, dtype=dtype, page_size=page_size, mates=mates, seed=seed)
+
+    check()

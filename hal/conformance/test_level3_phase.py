@@ -1,0 +1,41 @@
+"""Level 3: phase consistency. A sequence's attention output (and the rest of the decoder block and
+its token logprobs after it) is the same in full prefill, chunked prefill cut anywhere, and
+token-by-token decode from a paged cache with scrambled pages of several sizes, with batch-mates.
+Context lengths are drawn around the contract's KV chunk and split sizes."""
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hal.conformance.kit import dtypes_of, run_check
+
+
+def _lengths(backend, depth):
+    a = backend.contract.attention if backend.contract else None
+    chunk, split = (a.kv_chunk, a.kv_split or 4 * a.kv_chunk) if a else (64, 512)
+    around = [1, 2, chunk - 1, chunk, chunk + 1, 2 * chunk + 3]
+    if depth == "full":
+        around += [split - 1, split, split + 1, 2 * split + chunk + 5]
+    return sorted(set(n for n in around if n > 0)), chunk, split
+
+
+def _cuts(seq_len, chunk, split, extra):
+    cuts = {1, chunk - 1, chunk, chunk + 1, split - 1, split, split + 1, extra}
+    return ",".join(str(c) for c in sorted(cuts) if 0 < c < seq_len)
+
+
+@pytest.mark.hal(level=3)
+@pytest.mark.parametrize("op", ["attention", "decoder block"])
+def test_phase_consistency(hal_backend, hal_depth, op):
+    lengths, chunk, split = _lengths(hal_backend, hal_depth)
+
+    @given(seq_len=st.sampled_from(lengths), heads=st.sampled_from([(4, 1), (4, 2), (8, 8)]),
+           head_dim=st.sampled_from([64, 128]), dtype=st.sampled_from(dtypes_of(hal_backend)),
+           decode_tokens=st.integers(1, 24), cut=st.integers(1, 10 ** 6), seed=st.integers(0, 2 ** 16))
+    def check(seq_len, heads, head_dim, dtype, decode_tokens, cut, seed):
+        run_check("phase_consistency", hal_backend, seq_len=seq_len, q_heads=heads[0], kv_heads=heads[1],
+                  head_dim=head_dim, dtype=dtype, page_sizes="16,64,5",
+                  cuts=_cuts(seq_len, chunk, split, cut % max(seq_len, 1)),
+                  decode_from=max(1, seq_len - decode_tokens), mates=3, block=int(op == "decoder block"), seed=seed)
+
+    check()

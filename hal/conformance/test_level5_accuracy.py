@@ -1,0 +1,23 @@
+"""Level 5: accuracy against an fp64 oracle within the bounds in hal/conformance/bounds.py."""
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hal.conformance.kit import dtypes_of, run_check, widths
+
+OPS = ["linear", "attention", "write_kv", "rms_norm", "silu_mul", "rotary", "log_softmax", "token_logprobs", "sum",
+       "mean", "topk"]
+
+
+@pytest.mark.hal(level=5)
+@pytest.mark.parametrize("op", OPS)
+def test_accuracy(hal_backend, hal_depth, op):
+    width_strategy = st.sampled_from([64, 128]) if op in ("attention", "write_kv") else widths(hal_depth)
+
+    @given(size=st.sampled_from([1, 3, 17, 65]), width=width_strategy,
+           dtype=st.sampled_from(dtypes_of(hal_backend)), seed=st.integers(0, 2 ** 16))
+    def check(size, width, dtype, seed):
+        run_check("accuracy", hal_backend, op=op, size=size, width=width, dtype=dtype, seed=seed)
+
+    check()
