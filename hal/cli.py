@@ -121,6 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="show the train/rollout mismatch of stock kernels and its fix, on this machine")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_demo)
+    from hal.diff import add_subcommand as add_diff  # `hal diff`: its options live with it in hal/diff.py
+    add_diff(sub)
     return parser
 
 

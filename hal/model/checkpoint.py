@@ -1,0 +1,132 @@
+"""Local Hugging Face checkpoints (config.json + *.safetensors) <-> the vLLM weight layout.
+
+HF stores q_proj / k_proj / v_proj and gate_proj / up_proj separately; the model (like vLLM) holds
+them merged as qkv_proj = [q | k | v] and gate_up_proj = [gate | up] along the output rows. Loading
+copies each HF tensor into its row slice (exact copies, cast to the model dtype when asked);
+saving splits them back. Nothing is downloaded: the path must be a local directory.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from hal.backend import Backend
+from hal.errors import HalError
+from hal.model.config import ModelConfig
+from hal.model.model import DecoderLM
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointError(HalError):
+    """A checkpoint directory is missing files or tensors, or holds tensors of the wrong shape."""
+
+
+def _safetensors():
+    """The ``safetensors`` package (imported here: it is needed only to read or write checkpoints)."""
+    try:
+        import safetensors
+        import safetensors.torch
+    except ImportError as exc:
+        raise CheckpointError("reading or writing .safetensors needs the `safetensors` package: "
+                              "pip install safetensors") from exc
+    return safetensors
+
+
+def hf_slices(model: DecoderLM) -> dict[str, tuple[torch.Tensor, slice]]:
+    """Every HF tensor name -> (the model parameter it lives in, its row slice of that parameter)."""
+    c = model.config
+    q, kv, inter = c.q_size, c.kv_size, c.intermediate_size
+    whole = slice(None)
+    out: dict[str, tuple[torch.Tensor, slice]] = {"model.embed_tokens.weight": (model.model.embed_tokens.weight, whole),
+                                                  "model.norm.weight": (model.model.norm.weight, whole)}
+    if model.lm_head is not None:
+        out["lm_head.weight"] = (model.lm_head.weight, whole)
+    for i, layer in enumerate(model.model.layers):
+        p = f"model.layers.{i}."
+        attn, mlp = layer.self_attn, layer.mlp
+        out[p + "input_layernorm.weight"] = (layer.input_layernorm.weight, whole)
+        out[p + "post_attention_layernorm.weight"] = (layer.post_attention_layernorm.weight, whole)
+        for kind in ("weight", "bias"):
+            merged = getattr(attn.qkv_proj, kind)
+            if merged is None:
+                continue
+            out[p + f"self_attn.q_proj.{kind}"] = (merged, slice(0, q))
+            out[p + f"self_attn.k_proj.{kind}"] = (merged, slice(q, q + kv))
+            out[p + f"self_attn.v_proj.{kind}"] = (merged, slice(q + kv, q + 2 * kv))
+        out[p + "self_attn.o_proj.weight"] = (attn.o_proj.weight, whole)
+        if c.qk_norm:
+            out[p + "self_attn.q_norm.weight"] = (attn.q_norm.weight, whole)
+            out[p + "self_attn.k_norm.weight"] = (attn.k_norm.weight, whole)
+        out[p + "mlp.gate_proj.weight"] = (mlp.gate_up_proj.weight, slice(0, inter))
+        out[p + "mlp.up_proj.weight"] = (mlp.gate_up_proj.weight, slice(inter, 2 * inter))
+        out[p + "mlp.down_proj.weight"] = (mlp.down_proj.weight, whole)
+    return out
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / n for n in names]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{path}: no *.safetensors files (only safetensors checkpoints are read; "
+                              f"convert a .bin checkpoint with transformers' save_pretrained(safe_serialization=True))")
+    return files
+
+
+def load_pretrained(path: str | Path, *, dtype: str | torch.dtype | None = None, backend: Backend | None = None,
+                    device: torch.device | str | None = None) -> DecoderLM:
+    """A ``DecoderLM`` from a local HF checkpoint directory (config.json + safetensors, sharded or not).
+
+    ``dtype`` (default: the checkpoint's ``torch_dtype``) is what the weights are cast to. Missing
+    or unexpected tensors and shape mismatches raise ``CheckpointError`` listing the names.
+    """
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise CheckpointError(f"{path}: no config.json; expected a local Hugging Face checkpoint directory")
+    config = ModelConfig.from_hf(json.loads((path / "config.json").read_text()), dtype)
+    model = DecoderLM(config, backend=backend, device=device)
+    targets = hf_slices(model)
+    safetensors = _safetensors()
+    filled, unexpected = set(), []
+    with torch.no_grad():
+        for file in _weight_files(path):
+            with safetensors.safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    if name not in targets:
+                        if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and model.lm_head is None):
+                            continue   # recomputed / tied to embed_tokens, as vLLM does
+                        unexpected.append(name)
+                        continue
+                    param, rows = targets[name]
+                    tensor = f.get_tensor(name)
+                    expected = tuple(param[rows].shape)
+                    if tuple(tensor.shape) != expected:
+                        raise CheckpointError(f"{file.name}: {name} has shape {tuple(tensor.shape)}, expected "
+                                              f"{expected} from config.json")
+                    param[rows].copy_(tensor.to(param.dtype))
+                    filled.add(name)
+    missing = sorted(set(targets) - filled)
+    if missing or unexpected:
+        raise CheckpointError(f"{path}: missing tensors {missing[:8]}{' ...' if len(missing) > 8 else ''}; "
+                              f"unexpected tensors {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
+    log.info("loaded %s (%s, %d tensors) from %s", config.architecture, config.dtype, len(filled), path)
+    return model
+
+
+def save_pretrained(model: DecoderLM, path: str | Path) -> Path:
+    """Write ``model`` as a HF checkpoint (config.json + model.safetensors with HF tensor names)."""
+    safetensors = _safetensors()
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = {name: param[rows].detach().to("cpu").contiguous().clone()
+               for name, (param, rows) in hf_slices(model).items()}
+    safetensors.torch.save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(model.config.to_hf(), indent=2) + "\n")
+    return path

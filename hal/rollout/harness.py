@@ -1,0 +1,285 @@
+"""An in-process rollout harness: continuous batching over a paged KV cache, deterministic by seed.
+
+It exists for tests, benchmarks and machines without vLLM; it is not a serving engine. Every step
+it (in an order drawn from ``HarnessConfig.seed``) may preempt a running request, admits waiting
+requests, cuts each request's remaining prefill into a random chunk within a token budget, lays
+the chosen queries out as one packed batch (prefill chunks and decodes mixed, pages handed out
+in a scrambled order) and runs ``DecoderLM.forward_infer``. Sequences whose prefill or decode
+reaches their last token sample the next one with ``sample_token`` (noise from the request's seed
+and the position only) and report its fp32 logprob from ``backend.token_logprobs`` of the fp32
+logits. So with a batch-invariant, phase-consistent backend every token and logprob is the same
+whatever the schedule, and equal to the trainer's recomputation (``recompute_logprobs``).
+
+Preemption drops the request's pages; when readmitted it prefills its prompt plus the tokens it
+generated so far, and continues. Logprobs already reported are kept, never recomputed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from hal.errors import HalError
+from hal.kvcache import PageAllocator, build_metadata, pages_needed, slot_mapping
+from hal.model.model import DecoderLM, InferenceBatch
+from hal.model.trace import OpTrace
+from hal.rollout.sampler import sample_token
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Request:
+    """One prompt to continue. ``temperature == 0`` is greedy (its logprobs are at temperature 1)."""
+
+    prompt: tuple[int, ...]
+    max_new_tokens: int
+    seed: int = 0
+    temperature: float = 1.0
+    stop_token_ids: tuple[int, ...] = ()
+
+    @property
+    def logprob_temperature(self) -> float:
+        return self.temperature if self.temperature > 0 else 1.0
+
+
+@dataclass
+class Completion:
+    """What the harness returns per request, in the order of the input list."""
+
+    request: Request
+    tokens: list[int]
+    logprobs: torch.Tensor          # (len(tokens),) fp32, on the CPU
+    finish_reason: str              # "length" or "stop"
+    preemptions: int = 0
+
+    @property
+    def prompt(self) -> list[int]:
+        return list(self.request.prompt)
+
+    @property
+    def sequence(self) -> list[int]:
+        return list(self.request.prompt) + self.tokens
+
+
+@dataclass(frozen=True)
+class HarnessConfig:
+    """Cache and schedule. ``seed`` drives every scheduling choice (admission, preemption, chunk
+    sizes, batch order, page order); it never touches the sampler, which is seeded per request."""
+
+    page_size: int = 16
+    num_pages: int | None = None        # None: every request's full length fits at once
+    max_num_seqs: int = 8
+    max_batch_tokens: int = 64
+    max_chunk: int | None = None        # largest prefill chunk drawn (default: max_batch_tokens)
+    preempt_prob: float = 0.0           # chance per step of preempting a random running request
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("page_size", "max_num_seqs", "max_batch_tokens"):
+            if getattr(self, name) <= 0:
+                raise HalError(f"HarnessConfig.{name} must be positive, got {getattr(self, name)}")
+        if not 0.0 <= self.preempt_prob < 1.0:
+            raise HalError(f"HarnessConfig.preempt_prob must be in [0, 1), got {self.preempt_prob}")
+
+
+@dataclass
+class _Seq:
+    index: int
+    request: Request
+    tokens: list[int]
+    logprobs: list[torch.Tensor] = field(default_factory=list)
+    computed: int = 0                   # tokens whose K/V are in the cache
+    pages: list[int] = field(default_factory=list)
+    preemptions: int = 0
+    finish_reason: str = ""
+
+    @property
+    def generated(self) -> int:
+        return len(self.tokens) - len(self.request.prompt)
+
+
+@dataclass
+class HarnessStats:
+    """What the last ``generate`` did (tests use it to show that a schedule exercised something)."""
+
+    steps: int = 0
+    preemptions: int = 0
+    cut_prefills: int = 0               # prefill chunks shorter than the remaining prompt
+    mixed_steps: int = 0                # steps with prefill chunks and decodes in one batch
+    rows: list[int] = field(default_factory=list)      # query rows per step
+
+
+class RolloutHarness:
+    """Generates completions for a list of requests with ``model`` on ``model.backend``."""
+
+    def __init__(self, model: DecoderLM, config: HarnessConfig | None = None):
+        self.model = model
+        self.config = config or HarnessConfig()
+        self.stats = HarnessStats()
+
+    # -- checks ---------------------------------------------------------------------------------
+
+    def _check(self, requests: Sequence[Request], num_pages: int) -> None:
+        c = self.model.config
+        for i, r in enumerate(requests):
+            if not r.prompt:
+                raise HalError(f"request {i}: empty prompt")
+            if r.max_new_tokens < 1:
+                raise HalError(f"request {i}: max_new_tokens must be >= 1, got {r.max_new_tokens}")
+            if r.temperature < 0:
+                raise HalError(f"request {i}: temperature must be >= 0, got {r.temperature}")
+            bad = [t for t in r.prompt if not 0 <= t < c.vocab_size]
+            if bad:
+                raise HalError(f"request {i}: prompt token ids {bad[:5]} are outside the vocabulary "
+                               f"0..{c.vocab_size - 1}")
+            total = len(r.prompt) + r.max_new_tokens
+            if total > c.max_position:
+                raise HalError(f"request {i}: prompt {len(r.prompt)} + max_new_tokens {r.max_new_tokens} exceeds "
+                               f"max_position {c.max_position}")
+            if pages_needed(total, self.config.page_size) > num_pages:
+                raise HalError(f"request {i} needs {pages_needed(total, self.config.page_size)} pages of "
+                               f"{self.config.page_size} but the cache has {num_pages}; raise num_pages")
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    def generate(self, requests: Sequence[Request], *, trace: OpTrace | None = None,
+                 trace_request: int = 0) -> list[Completion]:
+        """Run every request to completion. With ``trace``, the ops of request ``trace_request``
+        are captured at each position (the first computation of each position is kept)."""
+        cfg = self.config
+        page = cfg.page_size
+        num_pages = cfg.num_pages or sum(pages_needed(len(r.prompt) + r.max_new_tokens, page) for r in requests) + 1
+        self._check(requests, num_pages)
+        rng = random.Random(cfg.seed)
+        max_chunk = cfg.max_chunk or cfg.max_batch_tokens
+        caches = self.model.allocate_kv_cache(num_pages, page)
+        allocator = PageAllocator(num_pages, torch.Generator().manual_seed(cfg.seed))
+        free = num_pages
+        self.stats = stats = HarnessStats()
+        seqs = [_Seq(i, r, list(r.prompt)) for i, r in enumerate(requests)]
+        waiting = list(seqs)
+        rng.shuffle(waiting)
+        running: list[_Seq] = []
+        device = self.model.device
+
+        def preempt(seq: _Seq) -> None:
+            nonlocal free
+            allocator.give_back(seq.pages)
+            free += len(seq.pages)
+            seq.pages, seq.computed = [], 0
+            seq.preemptions += 1
+            stats.preemptions += 1
+            running.remove(seq)
+            waiting.append(seq)
+            log.debug("preempted request %d at %d tokens", seq.index, len(seq.tokens))
+
+        while waiting or running:
+            stats.steps += 1
+            if running and rng.random() < cfg.preempt_prob:
+                preempt(rng.choice(running))
+            slots_open = cfg.max_num_seqs - len(running)
+            if waiting and slots_open > 0:
+                for _ in range(rng.randint(0 if running else 1, min(slots_open, len(waiting)))):
+                    running.append(waiting.pop(rng.randrange(len(waiting))))
+
+            scheduled: list[tuple[_Seq, int]] = []
+            budget = cfg.max_batch_tokens
+            order = list(running)
+            rng.shuffle(order)
+            for seq in order:
+                if budget == 0:
+                    break
+                if seq not in running:
+                    continue
+                remaining = len(seq.tokens) - seq.computed
+                n = 1 if remaining == 1 else min(remaining, budget, rng.randint(1, max_chunk))
+                need = pages_needed(seq.computed + n, page) - len(seq.pages)
+                busy = {id(s) for s, _ in scheduled}
+                while need > free:   # out of pages: preempt the latest admitted request not yet scheduled
+                    victims = [s for s in running if s is not seq and id(s) not in busy]
+                    if not victims:
+                        break
+                    preempt(victims[-1])
+                if need > free:
+                    continue        # it waits for pages held by this step's batch
+                seq.pages += allocator.take(need)
+                free -= need
+                stats.cut_prefills += int(remaining > 1 and n < remaining)
+                scheduled.append((seq, n))
+                budget -= n
+            if not scheduled:
+                raise HalError("rollout harness made no progress in a step (no request could be scheduled); "
+                               "this is a bug: please report it with the HarnessConfig")
+            self._step(scheduled, caches, device, stats, trace, trace_request)
+            for seq in [s for s in running if s.finish_reason]:
+                allocator.give_back(seq.pages)
+                free += len(seq.pages)
+                seq.pages = []
+                running.remove(seq)
+
+        return [Completion(s.request, s.tokens[len(s.request.prompt):],
+                           torch.stack(s.logprobs) if s.logprobs else torch.zeros(0),
+                           s.finish_reason, s.preemptions) for s in seqs]
+
+    def _step(self, scheduled, caches, device, stats, trace, trace_request) -> None:
+        page = self.config.page_size
+        ids, positions, slots, q_lens, seq_lens, page_lists, logits_rows, sampling = [], [], [], [], [], [], [], []
+        watch_rows, watch_positions = [], []
+        rows = 0
+        for seq, n in scheduled:
+            lo, hi = seq.computed, seq.computed + n
+            ids.extend(seq.tokens[lo:hi])
+            positions.extend(range(lo, hi))
+            slots.append(slot_mapping(seq.pages, range(lo, hi), page, device))
+            q_lens.append(n)
+            seq_lens.append(hi)
+            page_lists.append(list(seq.pages))
+            if seq.index == trace_request:
+                watch_rows.extend(range(rows, rows + n))
+                watch_positions.extend(range(lo, hi))
+            rows += n
+            if hi == len(seq.tokens):
+                logits_rows.append(rows - 1)
+                sampling.append(seq)
+        stats.rows.append(rows)
+        decodes = sum(1 for seq, n in scheduled if seq.generated > 0 and seq.computed == len(seq.tokens) - 1)
+        stats.mixed_steps += int(0 < decodes < len(scheduled))
+        batch = InferenceBatch(torch.tensor(ids, dtype=torch.long, device=device),
+                               torch.tensor(positions, dtype=torch.long, device=device),
+                               torch.cat(slots), build_metadata(q_lens, seq_lens, page_lists, device),
+                               torch.tensor(logits_rows, dtype=torch.long, device=device))
+        watch = contextlib.nullcontext()
+        if trace is not None and watch_rows:
+            watch = trace.watch(watch_rows, watch_positions,
+                                call=f"rollout step {stats.steps}: {len(scheduled)} sequences, {rows} rows")
+        with watch:
+            logits = self.model.forward_infer(batch, caches, trace=trace)
+            for seq, n in scheduled:
+                seq.computed += n
+            if not sampling:
+                return
+            backend = self.model.backend
+            tokens = [sample_token(logits[i], s.request.seed, len(s.tokens), s.request.temperature)
+                      for i, s in enumerate(sampling)]
+            # one token_logprobs call per temperature (a row's bits do not depend on its batch-mates)
+            for temperature in sorted({s.request.logprob_temperature for s in sampling}):
+                idx = [i for i, s in enumerate(sampling) if s.request.logprob_temperature == temperature]
+                index = torch.tensor(idx, dtype=torch.long, device=device)
+                token_ids = torch.tensor([tokens[i] for i in idx], dtype=torch.long, device=device)
+                logprobs = backend.token_logprobs(logits[index], token_ids, temperature).cpu()
+                if trace is not None:
+                    trace.record("logprob", logprobs.unsqueeze(-1), batch.logits_rows[index])
+                for j, i in enumerate(idx):
+                    sampling[i].logprobs.append(logprobs[j])
+        for seq, token in zip(sampling, tokens):
+            seq.tokens.append(token)
+            if token in seq.request.stop_token_ids:
+                seq.finish_reason = "stop"
+            elif seq.generated >= seq.request.max_new_tokens:
+                seq.finish_reason = "length"
