@@ -36,8 +36,12 @@ def resolve_backend_name(explicit: str | None = None, recipe: str | None = None)
     env = os.environ.get("HAL_BACKEND", "").strip()
     if env:
         return env, "HAL_BACKEND"
-    accelerators = [name for name, info in discover().items()
-                    if info.kind == "accelerator" and info.probe().available]
+    accelerators = []
+    for name, info in discover().items():
+        probe = info.probe() if info.kind == "accelerator" else None
+        # An emulated accelerator (kernels run by an interpreter on the CPU) is never chosen automatically.
+        if probe is not None and probe.available and not probe.details.get("emulated"):
+            accelerators.append(name)
     if len(accelerators) > 1:
         raise HalError(f"several accelerator backends are available ({', '.join(accelerators)}); "
                        f"choose one with backend=..., the recipe's `backend:` or HAL_BACKEND")

@@ -87,8 +87,9 @@ def _demo(args: argparse.Namespace) -> int:
 def _conformance(args: argparse.Namespace) -> int:
     import pytest
 
+    depth = "full" if args.full else "tiny" if args.tiny else "quick"
     argv = ["--pyargs", "hal.conformance", "-p", "no:cacheprovider", "-q", "--hal-backend", args.backend,
-            "--hal-depth", "full" if args.full else "quick"]
+            "--hal-depth", depth]
     if args.contract:
         argv += ["--hal-contract", args.contract]
     if args.json:
@@ -115,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     depth = p.add_mutually_exclusive_group()
     depth.add_argument("--quick", action="store_true", help="a few derandomised examples per test (default)")
     depth.add_argument("--full", action="store_true", help="many examples, larger shapes, shrinking")
+    depth.add_argument("--tiny", action="store_true", help="small shapes, for kernels run by an interpreter (CI)")
     p.add_argument("--max-examples", type=int, help="hypothesis examples per test")
     p.add_argument("pytest_args", nargs="*", help="extra pytest arguments after --, e.g. -- -k linear -x")
     p.set_defaults(func=_conformance)

@@ -1,38 +1,168 @@
 """The ``cuda`` backend: Triton kernels that realise the contract on NVIDIA GPUs.
 
 Installed as ``hal.backends.cuda``. This module stays cheap to import: triton and the kernels are
-imported inside ``probe()`` and the op methods only.
+imported by ``probe()`` and ``__init__`` only.
 
-Status: the kernels are not written yet (issue "CUDA backend"), so ``probe()`` checks the real
-prerequisites and then reports the backend as unavailable. It must never claim availability
-before its kernels exist and pass the conformance kit.
+Where each kernel's reduction order is written down (the comment at the top of each file):
+  gemm.py       GEMM: K chunks of [gemm].k_chunk, ascending; direct or split-K launches
+  attention.py  unified paged attention: KV chunks of [attention].kv_chunk, splits of kv_split
+  rows.py       RMSNorm (+residual), sum/mean: row blocks; SiLU*up and rotary (pointwise)
+  logprobs.py   log-softmax / token logprobs: vocabulary chunks of [logprobs].vocab_chunk
+Top-k uses ``torch.sort(stable=True)``: comparison only, no arithmetic, so any correct stable sort
+gives the contract's bits (value descending, ties to the lower index). The KV-cache write is an
+exact indexed copy.
+
+Under ``TRITON_INTERPRET=1`` (no GPU, CI) the same kernels run on CPU tensors through Triton's
+interpreter, with bf16 upcast after each load (exact) because the interpreter cannot do bf16
+arithmetic. Interpreter bits are not GPU bits: only invariances and tolerances are checked there.
 """
 
 from __future__ import annotations
 
-from hal.backend import Backend, Probe
+import os
+
+import torch
+
+from hal.backend import AttentionMetadata, Backend, Probe
+from hal.errors import UnsupportedError
 
 MIN_CAPABILITY = (8, 0)  # bf16 tensor-core MMA
+HEAD_DIMS = (64, 128)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 class CudaBackend(Backend):
     name = "cuda"
-    description = "Triton kernels for NVIDIA GPUs"
+    description = "Triton kernels for NVIDIA GPUs (or Triton's CPU interpreter with TRITON_INTERPRET=1)"
     kind = "accelerator"
     contracts = ("bf16-dense-v1",)
+    dtypes = (torch.bfloat16, torch.float32)
 
     @classmethod
     def probe(cls) -> Probe:
         try:
-            import triton  # noqa: F401
+            import triton
         except ImportError as exc:
             return Probe.missing(f"triton is not importable ({exc}); install the 'cuda' extra")
-        import torch
-
+        if _interpreting():
+            # Usable for CI on CPU tensors, but never picked automatically as "the accelerator".
+            return Probe.ok("cpu (triton interpreter)", triton=triton.__version__, emulated=True)
         if not torch.cuda.is_available():
             return Probe.missing(f"no CUDA device visible to torch {torch.__version__} "
-                                 f"(built with CUDA {torch.version.cuda})")
+                                 f"(built with CUDA {torch.version.cuda}); for CPU runs set TRITON_INTERPRET=1")
         capability = torch.cuda.get_device_capability()
         if capability < MIN_CAPABILITY:
             return Probe.missing(f"compute capability {capability} < {MIN_CAPABILITY} required for bf16 MMA")
-        return Probe.missing("the Triton kernels of this backend are not implemented in this version")
+        return Probe.ok(f"cuda:{torch.cuda.current_device()} ({torch.cuda.get_device_name()})",
+                        triton=triton.__version__, capability=capability)
+
+    @classmethod
+    def default_device(cls) -> torch.device:
+        return torch.device("cpu") if _interpreting() else torch.device("cuda")
+
+    def __init__(self, contract, device=None):
+        super().__init__(contract, device)
+        from hal.backends.cuda import attention, gemm, logprobs, rows
+
+        if _interpreting():
+            from hal.backends.cuda.interpreter import patch_row_dot
+
+            patch_row_dot()
+        self._gemm, self._attention, self._rows, self._logprobs = gemm, attention, rows, logprobs
+
+    def _on_device(self, op: str, *tensors: torch.Tensor) -> None:
+        for t in tensors:
+            if t is not None and t.device.type != self.device.type:
+                raise UnsupportedError(f"cuda.{op}: tensors must be on {self.device}, got {t.device}")
+
+    # -- GEMM ---------------------------------------------------------------------------------
+
+    def linear(self, x, weight, bias=None, *, out_dtype=None):
+        dtype = self.check_dtype("linear", x, weight)
+        self._on_device("linear", x, weight, bias)
+        if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
+            raise UnsupportedError(f"linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match")
+        if bias is not None and (bias.shape != (weight.shape[0],) or bias.dtype != dtype):
+            raise UnsupportedError(f"linear: bias must be ({weight.shape[0]},) {dtype}")
+        out_dtype = out_dtype or dtype
+        if out_dtype not in (dtype, torch.float32):
+            raise UnsupportedError(f"linear: out_dtype must be {dtype} or torch.float32, got {out_dtype}")
+        x2 = x.reshape(-1, x.shape[-1])
+        out = self._gemm.linear(x2, weight, bias, out_dtype, self.contract.gemm.k_chunk)
+        return out.reshape(*x.shape[:-1], weight.shape[0])
+
+    # -- attention and the KV cache -----------------------------------------------------------
+
+    def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, *, scale):
+        self.check_dtype("attention", q, k_cache, v_cache)
+        self._on_device("attention", q, k_cache, v_cache)
+        if q.shape[-1] not in HEAD_DIMS or q.shape[1] % k_cache.shape[2]:
+            raise UnsupportedError(f"attention: head dim must be one of {HEAD_DIMS} and query heads a multiple of "
+                                   f"KV heads; got q {tuple(q.shape)}, cache {tuple(k_cache.shape)}")
+        spec = self.contract.attention
+        return self._attention.paged_attention(
+            q.contiguous(), k_cache, v_cache, meta.query_start_loc.to(torch.int32), meta.seq_lens.to(torch.int32),
+            meta.block_table.to(torch.int32), scale, spec.kv_chunk, spec.kv_split)
+
+    def write_kv(self, k, v, k_cache, v_cache, slot_mapping):
+        self.check_dtype("write_kv", k, v, k_cache, v_cache)
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+            raise UnsupportedError("write_kv: the caches must be contiguous")
+        keep = slot_mapping >= 0
+        slots = slot_mapping[keep].long()
+        k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep]
+        v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep]
+
+    # -- row and pointwise ops ----------------------------------------------------------------
+
+    def rms_norm(self, x, weight, eps, residual=None):
+        self.check_dtype("rms_norm", *([x, weight] if residual is None else [x, weight, residual]))
+        out, res_out = self._rows.rms_norm(x.contiguous(), weight, eps,
+                                           None if residual is None else residual.contiguous(),
+                                           self.contract.rms_norm.row_block)
+        return out if residual is None else (out, res_out)
+
+    def silu_mul(self, gate_up):
+        self.check_dtype("silu_mul", gate_up)
+        if gate_up.shape[-1] % 2:
+            raise UnsupportedError(f"silu_mul: last dim must be even, got {gate_up.shape[-1]}")
+        return self._rows.silu_mul(gate_up.contiguous())
+
+    def rotary(self, positions, q, k, cos_sin_cache):
+        self.check_dtype("rotary", q, k)
+        if cos_sin_cache.dtype != torch.float32 or cos_sin_cache.shape[-1] % 2 or cos_sin_cache.shape[-1] > q.shape[-1]:
+            raise UnsupportedError("rotary: cos_sin_cache must be fp32 (max_pos, R) with even R <= head dim")
+        table = cos_sin_cache.to(q.device).contiguous()
+        pos = positions.to(q.device).contiguous()
+        return (self._rows.rotary(pos, q.contiguous(), table), self._rows.rotary(pos, k.contiguous(), table))
+
+    def log_softmax(self, logits, temperature=1.0):
+        self._check_logits(logits, temperature)
+        return self._logprobs.log_softmax(logits.contiguous(), float(temperature),
+                                          self.contract.logprobs.vocab_chunk)
+
+    def token_logprobs(self, logits, token_ids, temperature=1.0):
+        self._check_logits(logits, temperature)
+        return self._logprobs.token_logprobs(logits.contiguous(), token_ids.contiguous(), float(temperature),
+                                             self.contract.logprobs.vocab_chunk)
+
+    def _check_logits(self, logits, temperature):
+        if logits.dim() != 2:
+            raise UnsupportedError(f"log_softmax: logits must be (M, V), got {tuple(logits.shape)}")
+        if not temperature > 0:
+            raise UnsupportedError(f"log_softmax: temperature must be > 0, got {temperature}")
+
+    def sum(self, x, dim=-1):
+        return self._rows.reduce_last(x.movedim(dim, -1).contiguous(), False, self.contract.reduce.row_block)
+
+    def mean(self, x, dim=-1):
+        return self._rows.reduce_last(x.movedim(dim, -1).contiguous(), True, self.contract.reduce.row_block)
+
+    def topk(self, x, k):
+        if not 0 < k <= x.shape[-1]:
+            raise UnsupportedError(f"topk: k must be in 1..{x.shape[-1]}, got {k}")
+        values, indices = torch.sort(x, dim=-1, descending=True, stable=True)
+        return values[..., :k].contiguous(), indices[..., :k].contiguous()

@@ -11,13 +11,22 @@ from hal.conformance.runner import CHECKS, repro_command
 from hal.errors import UnsupportedError
 
 # Sizes that straddle tiles and thresholds: 1, primes, powers of two and their neighbours.
-AWKWARD_QUICK = [1, 2, 7, 16, 17, 31, 63, 64, 65, 127, 128, 129, 257, 511, 512, 513, 1000, 1024]
-AWKWARD_FULL = AWKWARD_QUICK + [2047, 2048, 2049, 4095, 4096, 4097, 5000]
-OUT_FEATURES = [1, 7, 16, 33, 64, 129, 256]
+# "tiny" is for kernels run by an interpreter on the CPU (CI): small shapes, the same edges.
+AWKWARD = {
+    "tiny": [1, 2, 7, 16, 17, 31, 63, 64, 65, 129],
+    "quick": [1, 2, 7, 16, 17, 31, 63, 64, 65, 127, 128, 129, 257, 511, 512, 513, 1000, 1024],
+}
+AWKWARD["full"] = AWKWARD["quick"] + [2047, 2048, 2049, 4095, 4096, 4097, 5000]
+OUT_FEATURES = {"tiny": [1, 7, 16, 33], "quick": [1, 7, 16, 33, 64, 129, 256]}
+OUT_FEATURES["full"] = OUT_FEATURES["quick"]
 
 
 def widths(depth: str):
-    return st.sampled_from(AWKWARD_QUICK if depth == "quick" else AWKWARD_FULL)
+    return st.sampled_from(AWKWARD[depth])
+
+
+def out_features(depth: str):
+    return st.sampled_from(OUT_FEATURES[depth])
 
 
 def dtypes_of(backend) -> list[str]:

@@ -24,8 +24,9 @@ def pytest_addoption(parser):
     group.addoption("--hal-backend", default=None, help="backend to test (or set HAL_BACKEND); see `hal doctor`")
     group.addoption("--hal-contract", default=None, help="contract name or .toml path (default: the backend's first)")
     group.addoption("--hal-json", default=None, help="write the JSON report here (Markdown next to it, .md)")
-    group.addoption("--hal-depth", choices=["quick", "full"], default="quick",
-                    help="quick: a few examples per test (CI); full: many examples and larger shapes")
+    group.addoption("--hal-depth", choices=["tiny", "quick", "full"], default="quick",
+                    help="tiny: small shapes, for kernels run by an interpreter on the CPU; quick: a few examples "
+                         "per test (CI); full: many examples and larger shapes")
     group.addoption("--hal-max-examples", type=int, default=None, help="hypothesis examples per test (overrides depth)")
 
 
@@ -34,12 +35,12 @@ def pytest_configure(config):
     from hypothesis import HealthCheck, Phase, settings
 
     depth = config.getoption("hal_depth", "quick")
-    examples = config.getoption("hal_max_examples", None) or (8 if depth == "quick" else 50)
+    examples = config.getoption("hal_max_examples", None) or {"tiny": 3, "quick": 8, "full": 50}[depth]
     # quick: derandomised and no shrinking (a failing backend is reported fast, with its repro);
     # full: random draws, shrunk to a minimal failing example. CI is always derandomised.
     phases = [Phase.explicit, Phase.reuse, Phase.generate] + ([Phase.shrink] if depth == "full" else [])
     settings.register_profile("hal-conformance", max_examples=examples, deadline=None, phases=phases,
-                              derandomize=bool(os.environ.get("CI")) or depth == "quick",
+                              derandomize=bool(os.environ.get("CI")) or depth != "full",
                               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
                               print_blob=True)
     config._hal_results = report_mod.Results()

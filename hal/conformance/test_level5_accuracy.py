@@ -15,7 +15,7 @@ OPS = ["linear", "attention", "write_kv", "rms_norm", "silu_mul", "rotary", "log
 def test_accuracy(hal_backend, hal_depth, op):
     width_strategy = st.sampled_from([64, 128]) if op in ("attention", "write_kv") else widths(hal_depth)
 
-    @given(size=st.sampled_from([1, 3, 17, 65]), width=width_strategy,
+    @given(size=st.sampled_from([1, 3, 17] + ([] if hal_depth == "tiny" else [65])), width=width_strategy,
            dtype=st.sampled_from(dtypes_of(hal_backend)), seed=st.integers(0, 2 ** 16))
     def check(size, width, dtype, seed):
         run_check("accuracy", hal_backend, op=op, size=size, width=width, dtype=dtype, seed=seed)

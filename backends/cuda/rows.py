@@ -1,0 +1,160 @@
+"""Row and pointwise kernels of the cuda backend: RMSNorm (+residual), SiLU*up, rotary, sum/mean.
+
+Reduction structure of RMSNorm and sum/mean (contract [rms_norm].row_block, [reduce].row_block):
+  the row is reduced in blocks of ROW_BLOCK elements at absolute offsets 0, ROW_BLOCK, ...; each
+  block is one ``tl.sum`` over a loaded tile of BLOCK = min(ROW_BLOCK, next_pow2(n)) lanes (a tree
+  fixed by that width: the same for every row, batch size and warp count); the block sums are
+  added in ascending order into an fp32 total that starts at +0.
+Pointwise ops have no reduction; their rounding points follow the contract, with no FMA.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from hal.backends.cuda.common import LAUNCH, next_power_of_2, round_to_bf16, to_activation, zero_scalar
+
+
+@triton.jit
+def _load_row(x_ptr, res_ptr, offs, mask, HAS_RESIDUAL: tl.constexpr, IS_BF16: tl.constexpr):
+    """The row the norm reads: x, or residual_out = round_act(fl32(x + residual))."""
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        x = x + tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if IS_BF16:
+            x = round_to_bf16(x)
+    return x
+
+
+@triton.jit
+def _row_sum(x_ptr, res_ptr, n, SQUARE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, IS_BF16: tl.constexpr,
+             BLOCK: tl.constexpr):
+    """Sum (or sum of squares) of one row in blocks of BLOCK at absolute offsets, ascending."""
+    total = zero_scalar()
+    for start in range(0, n, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        x = _load_row(x_ptr, res_ptr, offs, offs < n, HAS_RESIDUAL, IS_BF16)
+        if SQUARE:
+            x = x * x
+        total = total + tl.sum(x, axis=0)
+    return total
+
+
+@triton.jit(do_not_specialize=["n"])
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n, stride_x, stride_r, stride_o, stride_ro, eps,
+                     HAS_RESIDUAL: tl.constexpr, IS_BF16: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    r_row = res_ptr + row * stride_r
+    # The residual sum is recomputed in each pass instead of re-read from res_out: a load after a
+    # store by other threads of the program would need a barrier.
+    sum_sq = _row_sum(x_row, r_row, n, True, HAS_RESIDUAL, IS_BF16, BLOCK)
+    inv = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(sum_sq, n.to(tl.float32)) + eps))
+    for start in range(0, n, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < n
+        x = _load_row(x_row, r_row, offs, mask, HAS_RESIDUAL, IS_BF16)
+        if HAS_RESIDUAL:
+            tl.store(res_out_ptr + row * stride_ro + offs, to_activation(x, IS_BF16), mask=mask)
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * stride_o + offs, to_activation((x * inv) * w, IS_BF16), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
+             row_block: int, num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    n = x.shape[-1]
+    x2 = x.reshape(-1, n)
+    out = torch.empty_like(x2)
+    res2 = residual.reshape(-1, n) if residual is not None else x2
+    res_out = torch.empty_like(x2) if residual is not None else out
+    block = min(row_block, next_power_of_2(n))
+    if x2.shape[0]:
+        _rms_norm_kernel[(x2.shape[0],)](x2, res2, weight, out, res_out, n, x2.stride(0), res2.stride(0),
+                                         out.stride(0), res_out.stride(0), float(torch.tensor(eps).float()),
+                                         HAS_RESIDUAL=residual is not None, IS_BF16=x.dtype == torch.bfloat16,
+                                         BLOCK=block, num_warps=num_warps or (8 if block >= 2048 else 4), **LAUNCH)
+    return out.view(x.shape), (res_out.view(x.shape) if residual is not None else None)
+
+
+@triton.jit(do_not_specialize=["n"])
+def _reduce_kernel(x_ptr, out_ptr, n, stride_x, MEAN: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    total = _row_sum(x_ptr + row * stride_x, x_ptr, n, False, False, False, BLOCK)
+    if MEAN:
+        total = tl.div_rn(total, n.to(tl.float32))
+    tl.store(out_ptr + row, total)
+
+
+def reduce_last(x: torch.Tensor, mean: bool, row_block: int, num_warps: int = 4) -> torch.Tensor:
+    n = x.shape[-1]
+    x2 = x.reshape(-1, n)
+    out = torch.empty(x2.shape[0], device=x.device, dtype=torch.float32)
+    if x2.shape[0]:
+        _reduce_kernel[(x2.shape[0],)](x2, out, n, x2.stride(0), MEAN=mean,
+                                       BLOCK=min(row_block, next_power_of_2(n)), num_warps=num_warps, **LAUNCH)
+    return out.view(x.shape[:-1])
+
+
+@triton.jit
+def _silu_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, IS_BF16: tl.constexpr, BLOCK: tl.constexpr):
+    """out = round_act(fl32(fl32(g / fl32(1 + exp(-g))) * u)) for [g | u] rows."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < inter
+    g = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + row * stride_x + inter + offs, mask=mask, other=0.0).to(tl.float32)
+    silu = tl.div_rn(g, 1.0 + tl.exp(-g))
+    tl.store(out_ptr + row * stride_o + offs, to_activation(silu * u, IS_BF16), mask=mask)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    inter = gate_up.shape[-1] // 2
+    x2 = gate_up.reshape(-1, 2 * inter)
+    out = torch.empty((x2.shape[0], inter), device=gate_up.device, dtype=gate_up.dtype)
+    block = min(1024, next_power_of_2(inter))
+    if x2.shape[0]:
+        _silu_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](x2, out, inter, x2.stride(0), out.stride(0),
+                                                                  IS_BF16=gate_up.dtype == torch.bfloat16,
+                                                                  BLOCK=block, **LAUNCH)
+    return out.view(*gate_up.shape[:-1], inter)
+
+
+@triton.jit
+def _rotary_kernel(x_ptr, out_ptr, pos_ptr, table_ptr, heads, head_dim, stride_xt, stride_xh, stride_ot, stride_oh,
+                   stride_table, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
+                   IS_BF16: tl.constexpr):
+    """Neox rotary: o1 = fl(fl(x1 c) - fl(x2 s)), o2 = fl(fl(x2 c) + fl(x1 s)); dims >= 2*HALF copied."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    pos = tl.load(pos_ptr + token).to(tl.int64)
+    i = tl.arange(0, BLOCK_HALF)
+    im = i < HALF
+    cos = tl.load(table_ptr + pos * stride_table + i, mask=im, other=0.0)
+    sin = tl.load(table_ptr + pos * stride_table + HALF + i, mask=im, other=0.0)
+    src = x_ptr + token * stride_xt + head * stride_xh
+    dst = out_ptr + token * stride_ot + head * stride_oh
+    x1 = tl.load(src + i, mask=im, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF + i, mask=im, other=0.0).to(tl.float32)
+    tl.store(dst + i, to_activation(x1 * cos - x2 * sin, IS_BF16), mask=im)
+    tl.store(dst + HALF + i, to_activation(x2 * cos + x1 * sin, IS_BF16), mask=im)
+    d = 2 * HALF + tl.arange(0, BLOCK_D)
+    tail = d < head_dim
+    tl.store(dst + d, tl.load(src + d, mask=tail, other=0.0), mask=tail)
+
+
+def rotary(positions: torch.Tensor, x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    tokens, heads, head_dim = x.shape
+    half = table.shape[-1] // 2
+    out = torch.empty_like(x)
+    if tokens:
+        _rotary_kernel[(tokens, heads)](x, out, positions, table, heads, head_dim, x.stride(0), x.stride(1),
+                                        out.stride(0), out.stride(1), table.stride(0), HALF=half,
+                                        BLOCK_HALF=next_power_of_2(half),
+                                        BLOCK_D=next_power_of_2(max(1, head_dim - 2 * half)),
+                                        IS_BF16=x.dtype == torch.bfloat16, **LAUNCH)
+    return out
+
+
+__all__ = ["rms_norm", "reduce_last", "silu_mul", "rotary", "round_to_bf16"]

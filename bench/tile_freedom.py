@@ -1,0 +1,144 @@
+"""Prove on the GPU that each cuda kernel's launch shape does not change its bits.
+
+The contract fixes the reduction structure; tiles, warps, stages, split-K / split-KV parallelism
+and query-tile sizes are left free. This script runs every kernel of the cuda backend under many
+launch shapes on the same random inputs and checks that every output is bitwise equal
+(``torch.equal``) to the first one. As a negative control it also changes a contract number
+(k_chunk, kv_chunk, row block) and checks that the bits *do* change.
+
+    python bench/tile_freedom.py --json results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+from triton.runtime.errors import OutOfResources
+
+from hal.api import create_backend
+from hal.conformance.checks import AttentionCase, random_tensor
+from hal.kvcache import PageAllocator, PagedKVCache, build_metadata, pages_needed, slot_mapping
+
+
+def gemm_cases(backend, g):
+    from hal.backends.cuda import gemm
+
+    k_chunk = backend.contract.gemm.k_chunk
+    results = []
+    # Each launch shape is a separate compilation (~1.5 s): a few shapes that straddle the
+    # direct/split-K choice and both MMA families (BLOCK_M 16 -> mma.sync, 64/128 -> wgmma).
+    for m, n, k, dtype in [(1, 4096, 4096, torch.bfloat16), (16, 1000, 1100, torch.bfloat16),
+                           (257, 1536, 2048, torch.bfloat16), (16, 1000, 1100, torch.float32)]:
+            x = random_tensor((m, k), dtype, g, device="cuda", spread=4)
+            w = random_tensor((n, k), dtype, g, device="cuda", spread=4, scale=k ** -0.5)
+            bias = random_tensor((n,), dtype, g, device="cuda")
+            configs, outs = [], []
+            for bm, bn, bk, warps, stages, split in [(16, 64, 128, 4, 4, True), (16, 64, 128, 4, 4, False),
+                                                     (64, 64, 64, 4, 4, False), (64, 128, 32, 4, 3, True),
+                                                     (128, 128, 64, 8, 3, False), (128, 64, 128, 8, 2, False)]:
+                cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, split=split)
+                try:
+                    outs.append(gemm.linear(x, w, bias, torch.float32, k_chunk, cfg))
+                except OutOfResources:  # a tile that does not fit in shared memory: not a launch shape
+                    continue
+                configs.append(cfg)
+            same = [torch.equal(outs[0], o) for o in outs]
+            other = gemm.linear(x, w, bias, torch.float32, k_chunk // 2, configs[0])
+            results.append(dict(kernel="gemm", shape=f"M={m} N={n} K={k}", dtype=str(dtype), launches=len(configs),
+                                identical=sum(same), contract_change_changes_bits=not torch.equal(outs[0], other)))
+    return results
+
+
+def attention_cases(backend, g):
+    from hal.backends.cuda import attention
+
+    spec = backend.contract.attention
+    results = []
+    for seq_lens, q_lens, heads, head_dim, page, dtype in [
+            ([1500], [1500], (32, 8), 128, 16, torch.bfloat16),
+            ([700, 1300, 90], [1, 1, 1], (32, 8), 128, 64, torch.bfloat16),
+            ([2100, 600], [300, 1], (16, 2), 64, 16, torch.float32)]:
+            hq, hkv = heads
+            total = sum(seq_lens)
+            cache = PagedKVCache.allocate(pages_needed(total, page) + 2 * len(seq_lens), page, hkv, head_dim,
+                                          dtype, "cuda")
+            alloc = PageAllocator(cache.num_pages, g)
+            page_lists = [alloc.take(pages_needed(n, page)) for n in seq_lens]
+            for n, pages in zip(seq_lens, page_lists):
+                slots = slot_mapping(pages, range(n), page, "cuda")
+                backend.write_kv(random_tensor((n, hkv, head_dim), dtype, g, device="cuda"),
+                                 random_tensor((n, hkv, head_dim), dtype, g, device="cuda"), cache.k, cache.v, slots)
+            q = random_tensor((sum(q_lens), hq, head_dim), dtype, g, device="cuda")
+            meta = build_metadata(q_lens, seq_lens, page_lists, "cuda")
+            args = (q, cache.k, cache.v, meta.query_start_loc, meta.seq_lens, meta.block_table, head_dim ** -0.5)
+            launches = [dict(split_parallel=sp, block_q=bq, num_warps=w)
+                        for sp, bq, w in [(False, 16, 4), (True, 4, 4), (False, 4, 8), (True, 1, 8)]]
+            outs = [attention.paged_attention(*args, spec.kv_chunk, spec.kv_split, **lc) for lc in launches]
+            same = [torch.equal(outs[0], o) for o in outs]
+            other = attention.paged_attention(*args, spec.kv_chunk // 2, spec.kv_split, **launches[0])
+            results.append(dict(kernel="attention", shape=f"seq_lens={seq_lens} q_lens={q_lens} heads={heads} "
+                                f"D={head_dim} page={page}", dtype=str(dtype), launches=len(launches),
+                                identical=sum(same), contract_change_changes_bits=not torch.equal(outs[0], other)))
+    return results
+
+
+def row_cases(backend, g):
+    from hal.backends.cuda import logprobs, rows
+
+    results = []
+    block = backend.contract.rms_norm.row_block
+    for rows_n, width in [(77, 5120), (1024, 8192)]:
+        for dtype in (torch.bfloat16,):
+            x = random_tensor((rows_n, width), dtype, g, device="cuda", spread=3)
+            res = random_tensor((rows_n, width), dtype, g, device="cuda")
+            w = random_tensor((width,), dtype, g, device="cuda")
+            outs = [torch.cat(rows.rms_norm(x, w, 1e-6, res, block, num_warps=nw), -1) for nw in (2, 8)]
+            other = torch.cat(rows.rms_norm(x, w, 1e-6, res, block // 4, num_warps=4), -1)
+            results.append(dict(kernel="rms_norm", shape=f"rows={rows_n} width={width}", dtype=str(dtype),
+                                launches=len(outs), identical=sum(torch.equal(outs[0], o) for o in outs),
+                                contract_change_changes_bits=not torch.equal(outs[0], other)))
+            outs = [rows.reduce_last(x, False, block, num_warps=nw) for nw in (2, 8)]
+            other = rows.reduce_last(x, False, block // 4)
+            results.append(dict(kernel="sum", shape=f"rows={rows_n} width={width}", dtype=str(dtype),
+                                launches=len(outs), identical=sum(torch.equal(outs[0], o) for o in outs),
+                                contract_change_changes_bits=not torch.equal(outs[0], other)))
+    chunk = backend.contract.logprobs.vocab_chunk
+    for rows_n, vocab in [(1, 152064), (64, 152064)]:
+        logits = random_tensor((rows_n, vocab), torch.float32, g, device="cuda", scale=5.0)
+        outs = [logprobs.log_softmax(logits, 0.8, chunk, num_warps=nw) for nw in (4, 8)]
+        other = logprobs.log_softmax(logits, 0.8, chunk // 2)
+        results.append(dict(kernel="log_softmax", shape=f"rows={rows_n} vocab={vocab}", dtype="torch.float32",
+                            launches=len(outs), identical=sum(torch.equal(outs[0], o) for o in outs),
+                            contract_change_changes_bits=not torch.equal(outs[0], other)))
+    return results
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", required=True)
+    args = parser.parse_args()
+    backend = create_backend("cuda")
+    g = torch.Generator().manual_seed(0)
+    start = time.time()
+    results = []
+    for fn in (gemm_cases, attention_cases, row_cases):
+        results += fn(backend, g)
+        print(f"{fn.__name__} done at {time.time() - start:.0f}s", flush=True)
+    ok = all(r["identical"] == r["launches"] and r["contract_change_changes_bits"] for r in results)
+    with open(args.json, "w") as f:
+        json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, ok=ok, results=results), f,
+                  indent=2)
+    print(f"{'kernel':<12} {'dtype':<15} {'identical':>10} {'k-change':>9}  shape")
+    for r in results:
+        print(f"{r['kernel']:<12} {r['dtype']:<15} {r['identical']:>4}/{r['launches']:<5} "
+              f"{'changes' if r['contract_change_changes_bits'] else 'SAME!':>9}  {r['shape']}")
+    print("tile freedom:", "PROVEN for every case" if ok else "VIOLATED (see above)")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
