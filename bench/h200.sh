@@ -9,8 +9,8 @@ mode=${1:-all}
 repo=$(pwd)
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/site . || exit 1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . || exit 1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 cd /tmp
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv | tee "$out/gpu.txt"
@@ -18,7 +18,7 @@ python3 -m hal.cli doctor | tee "$out/doctor.txt"
 status=0
 if [[ $mode == smoke || $mode == all ]]; then
   python3 "$repo/bench/tile_freedom.py" --json "$out/tile_freedom.json" 2>&1 | tee "$out/tile_freedom.log" || status=1
-  python3 -m hal.cli conformance --backend cuda --quick --max-examples 4 --json "$out/conformance_cuda_quick.json" \
+  python3 -m hal.cli conformance --backend cuda --quick --max-examples ${KIT_EXAMPLES:-4} --json "$out/conformance_cuda_quick.json" \
     > "$out/conformance_cuda_quick.log" 2>&1 || status=1
   grep -E '^\||CONFORM|passed|failed|Error' "$out/conformance_cuda_quick.log" | tail -n 30
 fi
@@ -27,7 +27,7 @@ if [[ $mode == kit || $mode == all ]]; then
   tail -n 40 "$out/conformance_cuda.log"
 fi
 if [[ $mode != bench ]]; then  # the negative control: stock kernels on the GPU must fail levels 2-3
-  python3 -m hal.cli conformance --backend torch --max-examples 4 --json "$out/conformance_torch.json" \
+  python3 -m hal.cli conformance --backend torch --max-examples ${KIT_EXAMPLES:-4} --json "$out/conformance_torch.json" \
     > "$out/conformance_torch.log" 2>&1
   grep '^|' "$out/conformance_torch.log"
 fi
