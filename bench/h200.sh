@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (the `device` tool), from the repository root:
-#   bash bench/h200.sh smoke|kit|bench|all       (smoke: tile freedom + quick kit + negative control)
+#   bash bench/h200.sh STEP...     steps: tile kit-quick kit-full negative model bench (default: all)
 # Installs this checkout (and the carried stevedore wheel in .whl/) into /tmp/site, then runs
 # from outside the checkout so that the installed package (with hal.backends.cuda) is imported.
-# Results go to $OUT (JSON + logs); commit them under bench/results/ with this command.
+# Results go to $OUT (JSON + logs); commit them under bench/results/ with the command used.
+#   KIT_EXAMPLES   hypothesis examples per kit test for kit-quick and negative (default 8)
+#   BENCH_ARGS     extra arguments of bench_cuda.py (e.g. --quick)
 set -uo pipefail
-mode=${1:-all}
+steps=${*:-tile kit-quick negative model bench}
 repo=$(pwd)
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
@@ -14,24 +16,29 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 cd /tmp
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv | tee "$out/gpu.txt"
-python3 -m hal.cli doctor | tee "$out/doctor.txt"
+python3 -m hal.cli doctor > "$out/doctor.txt"
 status=0
-if [[ $mode == smoke || $mode == all ]]; then
-  python3 "$repo/bench/tile_freedom.py" --json "$out/tile_freedom.json" 2>&1 | tee "$out/tile_freedom.log" || status=1
-  python3 -m hal.cli conformance --backend cuda --quick --max-examples ${KIT_EXAMPLES:-4} --json "$out/conformance_cuda_quick.json" \
-    > "$out/conformance_cuda_quick.log" 2>&1 || status=1
-  grep -E '^\||CONFORM|passed|failed|Error' "$out/conformance_cuda_quick.log" | tail -n 30
-fi
-if [[ $mode == kit || $mode == all ]]; then
-  python3 -m hal.cli conformance --backend cuda --full --json "$out/conformance_cuda.json" > "$out/conformance_cuda.log" 2>&1 || status=1
-  tail -n 40 "$out/conformance_cuda.log"
-fi
-if [[ $mode != bench ]]; then  # the negative control: stock kernels on the GPU must fail levels 2-3
-  python3 -m hal.cli conformance --backend torch --max-examples ${KIT_EXAMPLES:-4} --json "$out/conformance_torch.json" \
-    > "$out/conformance_torch.log" 2>&1
-  grep '^|' "$out/conformance_torch.log"
-fi
-if [[ $mode == bench || $mode == all ]]; then
-  python3 "$repo/bench/bench_cuda.py" ${BENCH_ARGS:-} --json "$out/bench_cuda.json" 2>&1 | tee "$out/bench_cuda.log" || status=1
-fi
+for step in $steps; do
+  echo "== $step"
+  case $step in
+    tile) python3 "$repo/bench/tile_freedom.py" --json "$out/tile_freedom.json" > "$out/tile_freedom.log" 2>&1 || status=1
+          tail -n 20 "$out/tile_freedom.log" ;;
+    kit-quick) python3 -m hal.cli conformance --backend cuda --quick --max-examples "${KIT_EXAMPLES:-8}" \
+                 --json "$out/conformance_cuda_quick.json" > "$out/conformance_cuda_quick.log" 2>&1 || status=1
+               grep -E '^\||CONFORM|passed|failed' "$out/conformance_cuda_quick.log" | tail -n 30 ;;
+    kit-full) python3 -m hal.cli conformance --backend cuda --full --json "$out/conformance_cuda.json" \
+                > "$out/conformance_cuda.log" 2>&1 || status=1
+              grep -E '^\||CONFORM|passed|failed' "$out/conformance_cuda.log" | tail -n 30 ;;
+    negative) # stock kernels on the GPU must fail levels 2 and 3
+              python3 -m hal.cli conformance --backend torch --max-examples "${KIT_EXAMPLES:-8}" \
+                --json "$out/conformance_torch.json" > "$out/conformance_torch.log" 2>&1
+              grep -E '^\||CONFORM' "$out/conformance_torch.log" ;;
+    model) timeout 300 python3 "$repo/bench/model_equality.py" --json "$out/model_equality.json" \
+             > "$out/model_equality.log" 2>&1 || status=1
+           tail -n 5 "$out/model_equality.log" ;;
+    bench) python3 "$repo/bench/bench_cuda.py" ${BENCH_ARGS:-} --json "$out/bench_cuda.json" > "$out/bench_cuda.log" 2>&1 || status=1
+           tail -n 45 "$out/bench_cuda.log" ;;
+    *) echo "unknown step $step"; status=2 ;;
+  esac
+done
 exit $status

@@ -92,6 +92,12 @@ def accuracy(backend: Backend, op: str, size: int, width: int, dtype: str, seed:
     return bounds.accuracy_problems(backend, op, size, width, DTYPES[dtype], seed)
 
 
+def train_equals_infer(backend: Backend, op: str, size: int, width: int, dtype: str, seed: int) -> list:
+    from hal.conformance.training import train_equals_infer as check
+
+    return check(backend, op, size, width, DTYPES[dtype], seed)
+
+
 CHECKS: dict[str, Callable[..., list]] = {
     "determinism": determinism,
     "batch_invariance": batch_invariance,
@@ -99,6 +105,7 @@ CHECKS: dict[str, Callable[..., list]] = {
     "attention_batch_invariance": attention_batch_invariance,
     "phase_consistency": phase_consistency,
     "accuracy": accuracy,
+    "train_equals_infer": train_equals_infer,
 }
 
 

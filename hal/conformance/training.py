@@ -1,0 +1,126 @@
+"""Level 4: train equals infer.
+
+The autograd-wrapped ops that training uses (``hal.model.autograd``) must return exactly the bits
+of the backend's inference kernels, and their gradients must be correct: within a stated bound of
+fp64 autograd of the same function (norm-wise relative error <= 1e-2 for bf16, where every
+gradient is rounded to bf16; <= 1e-5 for fp32).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hal.backend import Backend
+from hal.conformance import oracle
+from hal.conformance.checks import random_tensor
+from hal.rope import cos_sin_cache
+
+GRAD_TOLERANCE = {torch.bfloat16: 1e-2, torch.float32: 1e-5}
+
+
+def _leaf(shape, dtype, g, device, scale=1.0):
+    return random_tensor(shape, dtype, g, scale=scale, device=device).requires_grad_(True)
+
+
+def _fp64(*tensors):
+    return [t.detach().cpu().double().requires_grad_(True) for t in tensors]
+
+
+def _grad_problems(what, leaves, leaves64, dtype) -> list[str]:
+    problems = []
+    for i, (t, t64) in enumerate(zip(leaves, leaves64)):
+        if t.grad is None:
+            problems.append(f"{what}: input {i} got no gradient")
+            continue
+        ref = t64.grad
+        err = float((t.grad.detach().cpu().double() - ref).norm() / ref.norm().clamp_min(1e-300))
+        if not err <= GRAD_TOLERANCE[dtype]:
+            problems.append(f"{what}: gradient of input {i} {tuple(t.shape)} has relative error {err:.3g} > "
+                            f"{GRAD_TOLERANCE[dtype]:g} against fp64 autograd")
+    return problems
+
+
+def train_equals_infer(backend: Backend, op: str, size: int, width: int, dtype: torch.dtype, seed: int) -> list[str]:
+    from hal.model import autograd as ag
+
+    g = torch.Generator().manual_seed(seed)
+    dev = backend.device
+    problems: list[str] = []
+
+    def same_bits(name, trained, inferred):
+        for t, i in zip(trained if isinstance(trained, tuple) else (trained,),
+                        inferred if isinstance(inferred, tuple) else (inferred,)):
+            if not torch.equal(t.detach(), i):
+                problems.append(f"{name}: the autograd forward differs from the inference kernel's bits")
+                return
+
+    def backprop(out, out64):
+        weights = random_tensor(tuple(out.shape), torch.float32, g, device=dev)
+        (out.float() * weights).sum().backward()
+        (out64 * weights.cpu().double()).sum().backward()
+
+    if op == "linear":
+        x, w, b = _leaf((size, width), dtype, g, dev), _leaf((33, width), dtype, g, dev, width ** -0.5), \
+            _leaf((33,), dtype, g, dev)
+        out = ag.linear(backend, x, w, b)
+        same_bits(op, out, backend.linear(x.detach(), w.detach(), b.detach()))
+        x64, w64, b64 = _fp64(x, w, b)
+        backprop(out, oracle.linear(x64, w64, b64))
+        problems += _grad_problems(op, (x, w, b), (x64, w64, b64), dtype)
+    elif op == "rms_norm":
+        x, w, r = _leaf((size, width), dtype, g, dev), _leaf((width,), dtype, g, dev), _leaf((size, width), dtype, g, dev)
+        out, res_out = ag.rms_norm(backend, x, w, 1e-6, r)
+        same_bits(op, (out, res_out), backend.rms_norm(x.detach(), w.detach(), 1e-6, r.detach()))
+        x64, w64, r64 = _fp64(x, w, r)
+        s64 = x64 + r64
+        backprop(out, s64 * torch.rsqrt(s64.square().mean(-1, keepdim=True) + 1e-6) * w64)
+        problems += _grad_problems(op, (x, w, r), (x64, w64, r64), dtype)
+    elif op == "silu_mul":
+        x = _leaf((size, 2 * width), dtype, g, dev)
+        out = ag.silu_mul(backend, x)
+        same_bits(op, out, backend.silu_mul(x.detach()))
+        (x64,) = _fp64(x)
+        backprop(out, oracle.silu_mul(x64))
+        problems += _grad_problems(op, (x,), (x64,), dtype)
+    elif op == "rotary":
+        head_dim = 2 * max(1, width // 2)
+        table = cos_sin_cache(head_dim, 97, device=dev)
+        pos = torch.randint(0, 97, (size,), generator=g).to(dev)
+        q, k = _leaf((size, 4, head_dim), dtype, g, dev), _leaf((size, 2, head_dim), dtype, g, dev)
+        out_q, out_k = ag.rotary(backend, pos, q, k, table)
+        same_bits(op, (out_q, out_k), backend.rotary(pos, q.detach(), k.detach(), table))
+        q64, k64 = _fp64(q, k)
+        weights_q = random_tensor(tuple(out_q.shape), torch.float32, g, device=dev)
+        weights_k = random_tensor(tuple(out_k.shape), torch.float32, g, device=dev)
+        ((out_q.float() * weights_q).sum() + (out_k.float() * weights_k).sum()).backward()
+        ((oracle.rotary(pos.cpu(), q64, table.cpu()) * weights_q.cpu().double()).sum()
+         + (oracle.rotary(pos.cpu(), k64, table.cpu()) * weights_k.cpu().double()).sum()).backward()
+        problems += _grad_problems(op, (q, k), (q64, k64), dtype)
+    elif op == "token_logprobs":
+        logits = _leaf((size, width), torch.float32, g, dev, scale=4.0)
+        ids = torch.randint(0, width, (size,), generator=g).to(dev)
+        out = ag.token_logprobs(backend, logits, ids, 0.7)
+        same_bits(op, out, backend.token_logprobs(logits.detach(), ids, 0.7))
+        (l64,) = _fp64(logits)
+        backprop(out, oracle.log_softmax(l64, 0.7).gather(-1, ids.cpu().view(-1, 1)).squeeze(-1))
+        problems += _grad_problems(op, (logits,), (l64,), torch.float32)
+    elif op == "attention":
+        seq_lens = [max(1, size), max(1, size // 2 + 1)]
+        tokens = sum(seq_lens)
+        q, k, v = (_leaf((tokens, h, width), dtype, g, dev) for h in (4, 2, 2))
+        layout = ag.PackedLayout.build(seq_lens, 16, dev)
+        out = ag.train_attention(backend, q, k, v, layout, width ** -0.5)
+        cache = ag.PagedKVCache.allocate(layout.num_pages, 16, 2, width, dtype, dev)
+        same_bits(op, out, ag.write_and_attend(backend, q.detach(), k.detach(), v.detach(), cache,
+                                               layout.slot_mapping, layout.meta, width ** -0.5))
+        q64, k64, v64 = _fp64(q, k, v)
+        start, outs = 0, []
+        for n in seq_lens:
+            outs.append(oracle.attention(q64[start:start + n], k64[start:start + n], v64[start:start + n],
+                                         width ** -0.5))
+            start += n
+        backprop(out, torch.cat(outs))
+        problems += _grad_problems(op, (q, k, v), (q64, k64, v64), dtype)
+    else:
+        raise ValueError(f"no train-equals-infer check for op {op!r}")
+    return problems
