@@ -33,7 +33,7 @@ for step in $steps; do
               python3 -m hal.cli conformance --backend torch --max-examples "${KIT_EXAMPLES:-8}" \
                 --json "$out/conformance_torch.json" > "$out/conformance_torch.log" 2>&1
               grep -E '^\||CONFORM' "$out/conformance_torch.log" ;;
-    model) timeout 300 python3 "$repo/bench/model_equality.py" --json "$out/model_equality.json" \
+    model) timeout ${MODEL_TIMEOUT:-300} python3 "$repo/bench/model_equality.py" --json "$out/model_equality.json" \
              > "$out/model_equality.log" 2>&1 || status=1
            tail -n 5 "$out/model_equality.log" ;;
     bench) python3 "$repo/bench/bench_cuda.py" ${BENCH_ARGS:-} --json "$out/bench_cuda.json" > "$out/bench_cuda.log" 2>&1 || status=1

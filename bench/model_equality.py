@@ -31,7 +31,7 @@ from hal.rollout.recompute import recompute_logprobs
 
 def sync() -> None:
     if torch.cuda.is_available():
-        sync()
+        torch.cuda.synchronize()
 
 
 def run(backend_name: str, model: DecoderLM, requests, harness_cfg) -> dict:
