@@ -1,4 +1,4 @@
-"""The ``hal`` command line: ``hal doctor``, ``hal contract list|show``, ``hal demo``."""
+"""The ``hal`` command line: ``hal doctor``, ``hal contract list|show``, ``hal demo``, ``hal diff``, ``hal run``."""
 
 from __future__ import annotations
 
@@ -125,6 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_demo)
     from hal.diff import add_subcommand as add_diff  # `hal diff`: its options live with it in hal/diff.py
     add_diff(sub)
+    from hal.rl.runner import add_subcommand as add_run  # `hal run RECIPE`: RL recipes, hal/rl/runner.py
+    add_run(sub)
     return parser
 
 

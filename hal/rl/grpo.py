@@ -1,0 +1,250 @@
+"""True on-policy GRPO on one model object shared by the rollout engine and the trainer.
+
+One step (one optimizer update per step: the step's batch is the mini-batch):
+
+1. rollout: ``prompts_per_step`` prompts x ``samples_per_prompt`` samples through the built-in
+   harness (``hal.rollout.RolloutHarness``; its schedule and the samplers are seeded by the recipe
+   seed and the step), on the recipe's backend;
+2. rewards from the task, advantages normalised within each prompt's group
+   ``A = (r - mean_group) / (std_group + 1e-6)`` (0 for a group whose rewards are all equal);
+3. the trainer recomputes the logprobs of the same tokens on the same weights with the training
+   forward (``recompute_logprobs``: packed sequences, autograd wrappers, a different batch layout);
+4. consistency metrics *before* the update (``compare_logprobs``: mismatching tokens, max/mean/std
+   |dlogp|, |dp|, k3-KL) and the entropy of the sampling distribution over response tokens;
+5. the loss ``-mean_tokens(min(ratio * A, clip(ratio) * A))`` with ``ratio = exp(logp - old_logp)``
+   and ``old_logp`` = the trainer's own recomputation, detached. With one update per step the ratio
+   is exactly 1 and the loss is ``-(A * logp).mean()`` over response tokens; the clip (``clip:``) only
+   matters if the recipe is changed to take several updates per batch;
+6. ``torch.optim.Adam`` step on the model parameters;
+7. weight sync: the harness holds the *same* ``DecoderLM`` object as the trainer, so the update is
+   visible to the engine in place, with no copy. This is checked, not assumed: the engine's view of
+   the weights (a sha256 of ``harness.model``'s parameters) must equal the trainer's checksum after
+   the previous update at the start of every step, or ``WeightSyncError`` is raised.
+
+Diff = 0 is the claim: on a conforming backend the trainer's logprobs in step 3 are bitwise the
+rollout's, at every step, including the first step after a checkpoint restore. The ``torch``
+baseline (stock kernels) shows what happens without the contract.
+
+Checkpoints (``checkpoint.pt`` in the run directory, every ``checkpoint_every`` steps and at the
+end): model and optimizer state, the step, the torch and Python RNG states and the recipe. Prompts,
+sampling seeds and harness schedules are functions of (seed, step), so a resumed run continues with
+exactly the batches the uninterrupted run would have drawn.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import random
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from hal import api
+from hal.errors import HalError
+from hal.metrics import compare_logprobs
+from hal.model import DecoderLM, load_pretrained, tiny_config
+from hal.rl.recipe import Recipe, RecipeError, dump_recipe
+from hal.rl.report import MetricsLog
+from hal.rl.task import make_task
+from hal.rollout import Completion, HarnessConfig, Request, RolloutHarness, recompute_logprobs
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT = "checkpoint.pt"
+METRICS = "metrics.jsonl"
+# Recipe keys a checkpoint must agree with to be resumed (steps and output paths may change).
+_RESUME_KEYS = ("model", "task", "backend", "contract", "prompts_per_step", "samples_per_prompt", "max_tokens",
+                "temperature", "learning_rate", "clip", "seed", "harness")
+
+
+class WeightSyncError(HalError):
+    """The rollout engine does not see the weights the trainer just produced."""
+
+
+def weights_checksum(model: torch.nn.Module) -> str:
+    """sha256 over every parameter's name, dtype, shape and bytes (order of ``named_parameters``)."""
+    h = hashlib.sha256()
+    for name, p in model.named_parameters():
+        t = p.detach().to("cpu").contiguous()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def build_model(recipe: Recipe, backend) -> DecoderLM:
+    """The recipe's model on ``backend``: a tiny seeded model or a local HF checkpoint."""
+    m = recipe.model
+    if m.checkpoint is not None:
+        return load_pretrained(m.checkpoint, dtype=m.dtype, backend=backend)
+    return DecoderLM.random(tiny_config(m.arch, m.dtype, **m.overrides), seed=m.seed, backend=backend)
+
+
+def group_advantages(rewards: torch.Tensor) -> torch.Tensor:
+    """(P, G) rewards -> (P*G,) advantages normalised within each prompt's group (fp64)."""
+    r = rewards.double()
+    std = r.std(dim=1, keepdim=True, unbiased=False)
+    adv = (r - r.mean(dim=1, keepdim=True)) / (std + 1e-6)
+    return torch.where(std > 0, adv, torch.zeros_like(adv)).reshape(-1)
+
+
+def grpo_loss(logprobs: Sequence[torch.Tensor], old_logprobs: Sequence[torch.Tensor], advantages: torch.Tensor,
+              clip: float | None) -> torch.Tensor:
+    """Token-mean clipped surrogate over all response tokens of the batch."""
+    lp = torch.cat(list(logprobs))
+    old = torch.cat([o.detach().to(lp.device) for o in old_logprobs])
+    adv = torch.cat([torch.full((len(o),), float(a), dtype=torch.float32, device=lp.device)
+                     for o, a in zip(old_logprobs, advantages.tolist())])
+    ratio = torch.exp(lp - old)
+    surrogate = ratio * adv
+    if clip is not None:
+        surrogate = torch.minimum(surrogate, torch.clamp(ratio, 1 - clip, 1 + clip) * adv)
+    return -surrogate.mean()
+
+
+@torch.no_grad()
+def response_entropy(model: DecoderLM, completions: Sequence[Completion], temperature: float) -> float:
+    """Mean entropy (nats) of the sampling distribution softmax(logits / T) at every response token,
+    from the trainer's logits (one packed training forward without autograd)."""
+    seqs = [c.sequence for c in completions]
+    ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long, device=model.device)
+    rows, offset = [], 0
+    for c, s in zip(completions, seqs):
+        rows.extend(offset + j - 1 for j in range(len(c.prompt), len(s)))
+        offset += len(s)
+    if not rows:
+        return 0.0
+    logits = model.forward_train(ids, [len(s) for s in seqs],
+                                 logits_rows=torch.tensor(rows, dtype=torch.long, device=model.device))
+    logp = torch.log_softmax(logits.double() / temperature, dim=-1)
+    return float(-(logp.exp() * logp).sum(-1).mean())
+
+
+def _request_seed(seed: int, step: int, index: int) -> int:
+    return int.from_bytes(hashlib.sha256(f"hal.rl sample {seed} {step} {index}".encode()).digest()[:7], "little")
+
+
+class GRPORun:
+    """One recipe on one backend, into ``run_dir`` (metrics.jsonl, checkpoint.pt, recipe.yaml)."""
+
+    def __init__(self, recipe: Recipe, run_dir: str | Path, progress: Callable[[dict], None] | None = None):
+        self.recipe = recipe
+        self.run_dir = Path(run_dir)
+        self.progress = progress
+        self.task = make_task(recipe)
+
+    # -- checkpoints ----------------------------------------------------------------------------
+
+    def _save(self, model, optimizer, step: int, checksum: str) -> None:
+        state = {"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                 "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
+                 "recipe": self.recipe.to_dict(), "weights_checksum": checksum}
+        tmp = self.run_dir / (CHECKPOINT + ".tmp")
+        torch.save(state, tmp)
+        os.replace(tmp, self.run_dir / CHECKPOINT)      # a crash mid-save leaves the old checkpoint
+
+    def _restore(self, model, optimizer) -> int:
+        state = torch.load(self.run_dir / CHECKPOINT, map_location="cpu", weights_only=False)
+        saved, now = state["recipe"], self.recipe.to_dict()
+        changed = [k for k in _RESUME_KEYS if saved.get(k) != now.get(k)]
+        if changed:
+            raise RecipeError(f"resume: the checkpoint in {self.run_dir} was written by a recipe with different "
+                              f"{', '.join(changed)} ({', '.join(f'{k}={saved.get(k)!r}' for k in changed)}); "
+                              f"resume with the same values or start a new output_dir")
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["torch_rng"])
+        random.setstate(state["python_rng"])
+        if weights_checksum(model) != state["weights_checksum"]:
+            raise WeightSyncError(f"resume: the restored weights' checksum differs from the one saved in "
+                                  f"{self.run_dir / CHECKPOINT}; the checkpoint is corrupt")
+        return int(state["step"])
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    def run(self) -> list[dict]:
+        """Run (or resume) to ``recipe.steps``; returns this invocation's per-step metrics."""
+        r = self.recipe
+        torch.set_num_threads(r.threads)
+        backend = api.create_backend(r.backend, r.contract)
+        torch.manual_seed(r.seed)
+        random.seed(r.seed)
+        model = build_model(r, backend)
+        optimizer = torch.optim.Adam(model.parameters(), lr=r.learning_rate)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        metrics_log = MetricsLog(self.run_dir / METRICS)
+        start = 0
+        if r.resume:
+            start = self._restore(model, optimizer)
+            metrics_log.truncate_after(start)
+        else:
+            for name in (METRICS, CHECKPOINT):
+                (self.run_dir / name).unlink(missing_ok=True)
+        (self.run_dir / "recipe.yaml").write_text(dump_recipe(r))
+        harness_spec = r.harness
+        engine_model = model       # the engine holds the trainer's object: weight sync is in place
+        expected = weights_checksum(model)
+        out = []
+        for step in range(start + 1, r.steps + 1):
+            harness = RolloutHarness(engine_model, HarnessConfig(
+                page_size=harness_spec.page_size, max_num_seqs=harness_spec.max_num_seqs,
+                max_batch_tokens=harness_spec.max_batch_tokens, preempt_prob=harness_spec.preempt_prob,
+                seed=_request_seed(r.seed, step, -1)))
+            seen = weights_checksum(harness.model)
+            if harness.model is not model or seen != expected:
+                raise WeightSyncError(f"step {step}: the rollout engine's weights (sha256 {seen[:12]}) are not the "
+                                      f"trainer's (sha256 {expected[:12]})")
+            m = self._step(step, model, optimizer, harness)
+            m["resumed"] = step == start + 1 and r.resume
+            m["engine_weights_sha256"] = seen[:16]
+            expected = weights_checksum(model)
+            m["weights_changed"] = expected[:16] != m["engine_weights_sha256"]
+            metrics_log.append(m)
+            out.append(m)
+            if self.progress is not None:
+                self.progress(m)
+            if step % r.checkpoint_every == 0 or step == r.steps:
+                self._save(model, optimizer, step, expected)
+        return out
+
+    def _step(self, step: int, model: DecoderLM, optimizer, harness: RolloutHarness) -> dict:
+        r = self.recipe
+        prompts = self.task.prompts(r.seed, step, r.prompts_per_step)
+        requests = [Request(prompt=p, max_new_tokens=r.max_tokens, seed=_request_seed(r.seed, step, i * r.samples_per_prompt + j),
+                            temperature=r.temperature)
+                    for i, p in enumerate(prompts) for j in range(r.samples_per_prompt)]
+        t0 = time.perf_counter()
+        completions = harness.generate(requests)
+        t1 = time.perf_counter()
+        rewards = torch.tensor([self.task.reward(c.prompt, c.tokens) for c in completions], dtype=torch.float64)
+        advantages = group_advantages(rewards.view(r.prompts_per_step, r.samples_per_prompt))
+
+        # The trainer: recompute on the same weights (differentiable), compare before the update.
+        train = recompute_logprobs(model, completions, seed=_request_seed(r.seed, step, -2))
+        t2 = time.perf_counter()
+        consistency = compare_logprobs(train, [c.logprobs for c in completions])
+        entropy = response_entropy(model, completions, r.temperature)   # the pre-update sampling policy
+        old = [lp.detach() for lp in train]
+        loss = grpo_loss(train, old, advantages, r.clip)
+        optimizer.zero_grad(set_to_none=True)
+        t3 = time.perf_counter()
+        loss.backward()
+        optimizer.step()
+        t4 = time.perf_counter()
+        gen_tokens = sum(len(c.tokens) for c in completions)
+        train_tokens = sum(len(c.sequence) for c in completions)
+        train_s = (t2 - t1) + (t4 - t3)     # recompute + backward + optimizer (not metrics, entropy)
+        return {
+            "step": step, "backend": r.backend,
+            "reward": float(rewards.mean()), "reward_std": float(rewards.std(unbiased=False)),
+            **consistency.as_dict(),
+            "entropy": entropy,
+            "loss": float(loss.detach()),
+            "rollout_tokens": gen_tokens, "train_tokens": train_tokens,
+            "rollout_s": t1 - t0, "train_s": train_s,
+            "rollout_tokens_per_s": gen_tokens / max(t1 - t0, 1e-9),
+            "train_tokens_per_s": train_tokens / max(train_s, 1e-9),
+        }

@@ -1,0 +1,308 @@
+"""Recipes: the YAML files that say what ``hal run`` trains, on which backend, for how long.
+
+A recipe is loaded (``load_recipe``), command-line overrides ``key=value`` (dotted keys reach into
+sections: ``model.seed=3``) are applied, and the whole thing is validated *before any work*:
+unknown keys, wrong types, unknown or unavailable backends, a missing checkpoint, an engine this
+version does not have, a resume without a checkpoint. Every problem is a ``RecipeError`` that names
+the key, what was found and how to fix it, and nothing is written (not even the output directory).
+
+Why so strict: an RL run that silently ignored ``backnd: cuda`` would train on the default backend
+for an hour and report numbers about the wrong kernels.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import yaml
+
+from hal.errors import HalError
+
+ENGINES = ("harness", "vllm")
+BASELINE = "torch"
+
+
+class RecipeError(HalError):
+    """A recipe (or an override of it) is malformed or cannot run here; nothing was started."""
+
+
+# -- the schema: one dataclass per section, defaults are the documented defaults ---------------
+
+@dataclass
+class ModelSpec:
+    """Either a tiny seeded model (``arch`` + ``overrides`` of ``tiny_config``) or a local HF checkpoint."""
+
+    arch: str = "llama"
+    dtype: str = "float32"
+    seed: int = 0
+    overrides: dict = field(default_factory=dict)     # ModelConfig fields, e.g. {vocab_size: 16}
+    checkpoint: str | None = None                     # a local HF checkpoint directory
+
+
+@dataclass
+class TaskSpec:
+    """The toy verifiable task (see ``hal.rl.task``)."""
+
+    name: str = "count_up"
+    prompt_len: int = 4
+    target: int = 3                                   # target_token only
+
+
+@dataclass
+class HarnessSpec:
+    """Scheduling of the built-in rollout harness (``hal.rollout.HarnessConfig``)."""
+
+    page_size: int = 16
+    max_num_seqs: int = 8
+    max_batch_tokens: int = 64
+    preempt_prob: float = 0.0
+
+
+@dataclass
+class Recipe:
+    """Everything one ``hal run`` needs. See docs/rl.md for the meaning of every key."""
+
+    name: str = "recipe"
+    model: ModelSpec = field(default_factory=ModelSpec)
+    task: TaskSpec = field(default_factory=TaskSpec)
+    backend: str = "reference"
+    contract: str | None = None
+    engine: str = "harness"
+    harness: HarnessSpec = field(default_factory=HarnessSpec)
+    steps: int = 30
+    prompts_per_step: int = 4
+    samples_per_prompt: int = 4
+    max_tokens: int = 6
+    temperature: float = 1.0
+    learning_rate: float = 2e-2
+    clip: float | None = None                         # PPO clip epsilon (None: plain on-policy GRPO)
+    seed: int = 0
+    threads: int = 1                                  # torch CPU threads (1 is fastest for tiny shapes)
+    output_dir: str = "runs/recipe"
+    checkpoint_every: int = 10
+    resume: bool = False
+    overwrite: bool = False
+    compare: bool = False
+    baseline: str = BASELINE
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes: Any) -> "Recipe":
+        return dataclasses.replace(self, **changes)
+
+
+_SECTIONS = {"model": ModelSpec, "task": TaskSpec, "harness": HarnessSpec}
+
+
+def _fields(cls) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(cls)}
+
+
+def _check_type(where: str, value: Any, annotation: str) -> Any:
+    """Coerce/check a scalar against the dataclass annotation (annotations are strings here)."""
+    optional = "None" in annotation
+    if value is None:
+        if optional:
+            return None
+        raise RecipeError(f"{where}: null is not allowed; expected {annotation.replace(' | None', '')}")
+    base = annotation.replace(" | None", "").strip()
+    if base == "bool":
+        if isinstance(value, bool):
+            return value
+        raise RecipeError(f"{where} = {value!r}: expected true or false")
+    if base == "int":
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise RecipeError(f"{where} = {value!r}: expected an integer")
+    if base == "float":
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise RecipeError(f"{where} = {value!r}: expected a number")
+    if base == "str":
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise RecipeError(f"{where} = {value!r}: expected a string")
+    if base == "dict":
+        if isinstance(value, dict):
+            return dict(value)
+        raise RecipeError(f"{where} = {value!r}: expected a mapping")
+    return value
+
+
+def _build(cls, data: Any, where: str):
+    if not isinstance(data, dict):
+        raise RecipeError(f"{where or 'recipe'}: expected a mapping of keys, got {type(data).__name__}")
+    known = _fields(cls)
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise RecipeError(f"{where or 'recipe'}: unknown key{'s' if len(unknown) > 1 else ''} "
+                          f"{', '.join(map(repr, unknown))}; known keys: {', '.join(known)}")
+    kwargs = {}
+    for name, value in data.items():
+        key = f"{where}.{name}" if where else name
+        if name in _SECTIONS and cls is Recipe:
+            kwargs[name] = _build(_SECTIONS[name], value if value is not None else {}, key)
+        else:
+            kwargs[name] = _check_type(key, value, str(known[name].type))
+    return cls(**kwargs)
+
+
+def recipe_from_dict(data: dict[str, Any], source: str = "recipe") -> Recipe:
+    """A ``Recipe`` from a parsed mapping; unknown keys and wrong types raise ``RecipeError``."""
+    try:
+        return _build(Recipe, data, "")
+    except RecipeError as exc:
+        raise RecipeError(f"{source}: {exc}") from None
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``"model.seed=3"`` -> (["model", "seed"], 3); the value is parsed as YAML (so ``true``, ``1e-2``,
+    ``null`` and ``{a: 1}`` work)."""
+    if "=" not in text:
+        raise RecipeError(f"override {text!r}: expected KEY=VALUE, e.g. backend=torch or model.seed=3")
+    key, raw = text.split("=", 1)
+    path = [p for p in key.strip().split(".")]
+    if not all(path):
+        raise RecipeError(f"override {text!r}: empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise RecipeError(f"override {text!r}: the value is not valid YAML ({exc})") from None
+    return path, value
+
+
+def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """A copy of the raw recipe mapping with ``KEY=VALUE`` overrides applied (validated later)."""
+    data = copy.deepcopy(data)
+    for text in overrides:
+        path, value = parse_override(text)
+        node = data
+        for part in path[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise RecipeError(f"override {text!r}: {part!r} is not a section")
+            node = child
+        node[path[-1]] = value
+    return data
+
+
+def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> Recipe:
+    """Read a YAML recipe, apply overrides and return it validated for this machine."""
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(f"recipe file {path} does not exist; the shipped recipes are in recipes/")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise RecipeError(f"{path}: not valid YAML: {exc}") from None
+    recipe = recipe_from_dict(apply_overrides(data, overrides), str(path))
+    validate(recipe, str(path))
+    return recipe
+
+
+# -- validation that needs the machine: backends, files ------------------------------------------
+
+def _check_backend(name: str, key: str, source: str) -> None:
+    from hal.registry import backend_class, describe_installed
+
+    try:
+        cls = backend_class(name)
+    except HalError as exc:
+        raise RecipeError(f"{source}: {key} = {name!r}: {exc}\nFix: set {key} to one of the available "
+                          f"backends (see `hal doctor`).") from None
+    probe = cls.probe()
+    if not probe.available:
+        raise RecipeError(f"{source}: {key} = {name!r} is installed but not available here: {probe.reason}\n"
+                          f"Installed backends:\n{describe_installed()}\n"
+                          f"Fix: run on a machine where it is available, or override it, e.g. `{key}=reference`.")
+
+
+def validate(recipe: Recipe, source: str = "recipe") -> None:
+    """Every check that can fail before work starts. Raises ``RecipeError``; writes nothing."""
+    from hal.model.config import ARCHITECTURES, ModelConfig, dtype_from_name
+    from hal.rl.task import TASKS
+
+    def bad(key: str, value: Any, fix: str) -> RecipeError:
+        return RecipeError(f"{source}: {key} = {value!r}: {fix}")
+
+    if recipe.engine not in ENGINES:
+        raise bad("engine", recipe.engine, f"unknown rollout engine; use `engine: harness`")
+    if recipe.engine == "vllm":
+        raise bad("engine", "vllm", "the vLLM engine is not available in this version of hal (its plugin "
+                  "is not implemented yet); use `engine: harness`, the built-in rollout harness")
+    for key in ("steps", "prompts_per_step", "samples_per_prompt", "max_tokens", "threads", "checkpoint_every"):
+        if getattr(recipe, key) < 1:
+            raise bad(key, getattr(recipe, key), "must be >= 1")
+    if recipe.samples_per_prompt < 2:
+        raise bad("samples_per_prompt", recipe.samples_per_prompt,
+                  "GRPO normalises rewards within a prompt's group: use at least 2 samples per prompt")
+    if not recipe.learning_rate > 0:
+        raise bad("learning_rate", recipe.learning_rate, "must be > 0")
+    if not recipe.temperature > 0:
+        raise bad("temperature", recipe.temperature, "must be > 0 (sampling; greedy rollouts give GRPO nothing to compare)")
+    if recipe.clip is not None and not recipe.clip > 0:
+        raise bad("clip", recipe.clip, "must be > 0 or null")
+    if not recipe.output_dir:
+        raise bad("output_dir", recipe.output_dir, "must be a directory path")
+    if recipe.task.name not in TASKS:
+        raise bad("task.name", recipe.task.name, f"unknown task; known: {', '.join(TASKS)}")
+
+    m = recipe.model
+    try:
+        dtype_from_name(m.dtype)
+    except HalError as exc:
+        raise bad("model.dtype", m.dtype, str(exc)) from None
+    if m.checkpoint is not None:
+        ckpt = Path(m.checkpoint)
+        if not (ckpt / "config.json").is_file():
+            raise bad("model.checkpoint", m.checkpoint,
+                      "no such local Hugging Face checkpoint (a directory with config.json and *.safetensors); "
+                      "fix the path, or remove model.checkpoint to use a tiny seeded model")
+        if m.overrides:
+            raise bad("model.overrides", m.overrides, "overrides apply to a tiny seeded model only, not to a checkpoint")
+    else:
+        if m.arch not in ARCHITECTURES:
+            raise bad("model.arch", m.arch, f"use one of {', '.join(ARCHITECTURES)}")
+        known = {f.name for f in dataclasses.fields(ModelConfig)} - {"architecture", "dtype"}
+        unknown = sorted(set(m.overrides) - known)
+        if unknown:
+            raise bad("model.overrides", unknown, f"unknown model config fields; known: {', '.join(sorted(known))}")
+
+    task_cls = TASKS[recipe.task.name]
+    task_cls.validate(recipe, source)   # needs the vocabulary: checked against the model config below
+
+    _check_backend(recipe.backend, "backend", source)
+    if recipe.contract is not None:
+        from hal.contract import load_contract
+        try:
+            load_contract(recipe.contract)
+        except HalError as exc:
+            raise bad("contract", recipe.contract, f"{exc}; see `hal contract list`") from None
+    if recipe.compare:
+        if recipe.baseline == recipe.backend:
+            raise bad("baseline", recipe.baseline, "compare mode runs the recipe on `backend` and on `baseline`; "
+                      "they must differ")
+        _check_backend(recipe.baseline, "baseline", source)
+
+    out = Path(recipe.output_dir)
+    runs = [out / b for b in (recipe.backend, recipe.baseline)] if recipe.compare else [out]
+    for run_dir in runs:
+        has_run = (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoint.pt").exists()
+        if recipe.resume and not (run_dir / "checkpoint.pt").is_file():
+            raise bad("resume", True, f"no checkpoint at {run_dir / 'checkpoint.pt'}; run without resume first "
+                      f"(checkpoints are written every checkpoint_every={recipe.checkpoint_every} steps)")
+        if has_run and not recipe.resume and not recipe.overwrite:
+            raise bad("output_dir", recipe.output_dir, f"{run_dir} already holds a run; use resume=true to "
+                      f"continue it, overwrite=true to replace it, or another output_dir")
+
+
+def dump_recipe(recipe: Recipe) -> str:
+    """The resolved recipe as YAML (written next to the run's metrics)."""
+    return yaml.safe_dump(recipe.to_dict(), sort_keys=False)
