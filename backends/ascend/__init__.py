@@ -1,32 +1,205 @@
-"""The ``ascend`` backend: the contract on Huawei Ascend NPUs through torch_npu / CANN.
+"""The ``ascend`` backend: the contract on Huawei Ascend NPUs, through one of two paths.
 
-Installed as ``hal.backends.ascend``. This module stays cheap to import: torch_npu is imported
-inside ``probe()`` only.
+Installed as ``hal.backends.ascend``. This module stays cheap to import: torch_npu, triton and the
+op packages are imported by ``probe()`` and ``__init__`` only.
 
-Status: the NPU ops are not written yet (issue "Ascend backend"), so ``probe()`` checks the real
-prerequisites and then reports the backend as unavailable. It must never claim availability
-before its ops exist and pass the conformance kit.
+Paths (constructor argument ``path`` or ``HAL_ASCEND_PATH``; reported in the probe's details; a
+missing piece of the chosen path makes the backend unavailable, it never falls back to the other):
+  cann    (default) torch_npu + CANN's batch-invariant op package for GEMM and reductions, with the
+          contract's K chunks / row blocks / vocabulary chunks enforced on the host around each op;
+          attention through flash-attention-npu's ``flash_attn_with_kvcache`` (num_splits=1) or the
+          op package's batch-invariant fused-inference-attention (``HAL_ASCEND_ATTENTION``);
+          RMSNorm as add, then ``npu_rms_norm``; SiLU*up as plain torch ops. ``cann_ops.py``
+  triton  the cuda backend's Triton kernels on triton-ascend with tiles fitted to the unified
+          buffer (``tiles.py``). ``triton_ops.py``
+Every numerics-relevant NPU argument is a pure function of the contract (``mapping.py``); the
+determinism and precision settings are applied at construction and read back (``settings.py``);
+``numerics_report()`` returns both with the contract fingerprint.
+
+Status: nothing of this backend has run on NPU hardware. ``probe()`` reports available only where
+every piece of the chosen path and a device are present, with ``verified_on_hardware=False``.
 """
 
 from __future__ import annotations
 
-from hal.backend import Backend, Probe
+import os
+
+import torch
+
+from hal.backend import AttentionMetadata, Backend, Probe
+from hal.errors import UnsupportedError
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 class AscendBackend(Backend):
     name = "ascend"
-    description = "torch_npu / CANN ops for Huawei Ascend NPUs"
+    description = "Huawei Ascend NPUs: CANN batch-invariant ops + flash-attention-npu, or triton-ascend"
     kind = "accelerator"
     contracts = ("bf16-dense-v1",)
+    dtypes = (torch.bfloat16, torch.float32)
 
     @classmethod
     def probe(cls) -> Probe:
-        try:
-            import torch_npu  # noqa: F401
-        except ImportError as exc:
-            return Probe.missing(f"torch_npu is not importable ({exc}); install the 'ascend' extra on an NPU host")
-        import torch
+        from hal.backends.ascend.probe import diagnose
 
-        if not torch.npu.is_available():
-            return Probe.missing("torch_npu is installed but no NPU device is visible")
-        return Probe.missing("the NPU ops of this backend are not implemented in this version")
+        try:
+            d = diagnose()
+        except UnsupportedError as exc:  # a bad HAL_ASCEND_PATH / HAL_ASCEND_ATTENTION
+            return Probe.missing(str(exc))
+        details = dict(path=d.path, attention_impl=d.attention_impl, verified_on_hardware=False, **d.found)
+        if not d.complete:
+            return Probe.missing(d.reason, missing=list(d.missing), **details)
+        return Probe.ok(f"npu:0 ({d.path} path)", **details)
+
+    @classmethod
+    def default_device(cls) -> torch.device:
+        import torch_npu  # noqa: F401  (registers the "npu" device type)
+
+        return torch.device("npu")
+
+    def __init__(self, contract, device=None, *, path: str | None = None, attention_impl: str | None = None,
+                 settings_surface=None, hccl: str = "strict", cann_handles: dict | None = None):
+        from hal.backends.ascend import mapping, settings
+        from hal.backends.ascend.probe import resolve_attention_impl, resolve_path
+
+        self.path = resolve_path(path)
+        self.attention_impl = resolve_attention_impl(attention_impl)
+        emulated = device is not None and torch.device(device).type == "cpu"
+        if emulated and not (self.path == "triton" and _interpreting()):
+            raise UnsupportedError("ascend: a CPU device is only accepted for the triton path under "
+                                   "TRITON_INTERPRET=1 (emulation for CI)")
+        super().__init__(contract, device)
+        mapping.check_contract(self.contract)
+        self.emulated = emulated
+        # Settings: applied and read back at selection; a wrong read-back refuses the backend.
+        if settings_surface is None and not emulated:
+            try:
+                settings_surface = settings.real_surface()
+            except ImportError as exc:
+                raise UnsupportedError(f"ascend: cannot apply the NPU settings: {exc}") from exc
+        self.hccl = hccl
+        self.settings = settings.apply_and_verify(settings_surface, hccl) if settings_surface is not None else None
+        if self.path == "cann":
+            from hal.backends.ascend.cann_ops import CannOps
+
+            self._ops = CannOps(self.contract, self.attention_impl, **(cann_handles or {}))
+        else:
+            from hal.backends.ascend.triton_ops import TritonOps
+
+            self._ops = TritonOps(self.contract)
+
+    def numerics_report(self) -> dict:
+        """What decides this instance's bits: contract + fingerprint, path, NPU op arguments, settings."""
+        from hal.backends.ascend import mapping, settings
+
+        return {
+            "backend": self.name, "path": self.path, "attention_impl": self.attention_impl,
+            "contract": self.contract.name, "fingerprint": self.fingerprint,
+            "settings": self.settings,
+            "settings_fingerprint": settings.fingerprint(self.settings) if self.settings is not None else None,
+            "mapping": mapping.describe(self.contract, self.attention_impl) if self.path == "cann" else "triton tiles",
+            "emulated": self.emulated, "verified_on_hardware": False,
+        }
+
+    def _on_device(self, op: str, *tensors) -> None:
+        for t in tensors:
+            if t is not None and t.device.type != self.device.type:
+                raise UnsupportedError(f"ascend.{op}: tensors must be on {self.device}, got {t.device}")
+
+    # -- ops ------------------------------------------------------------------------------------
+
+    def linear(self, x, weight, bias=None, *, out_dtype=None):
+        dtype = self.check_dtype("linear", x, weight)
+        self._on_device("linear", x, weight, bias)
+        if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
+            raise UnsupportedError(f"linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match")
+        if bias is not None and (bias.shape != (weight.shape[0],) or bias.dtype != dtype):
+            raise UnsupportedError(f"linear: bias must be ({weight.shape[0]},) {dtype}")
+        out_dtype = out_dtype or dtype
+        if out_dtype not in (dtype, torch.float32):
+            raise UnsupportedError(f"linear: out_dtype must be {dtype} or torch.float32, got {out_dtype}")
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.shape[0] == 0 or weight.shape[0] == 0:
+            return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=out_dtype)
+        return self._ops.linear(x2, weight, bias, out_dtype).reshape(*x.shape[:-1], weight.shape[0])
+
+    def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, *, scale):
+        self.check_dtype("attention", q, k_cache, v_cache)
+        self._on_device("attention", q, k_cache, v_cache)
+        if q.shape[0] == 0:
+            return torch.empty_like(q)
+        return self._ops.attention(q, k_cache, v_cache, meta, scale)
+
+    def write_kv(self, k, v, k_cache, v_cache, slot_mapping):
+        self.check_dtype("write_kv", k, v, k_cache, v_cache)
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+            raise UnsupportedError("write_kv: the caches must be contiguous")
+        keep = slot_mapping >= 0
+        slots = slot_mapping[keep].long()
+        k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep]
+        v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep]
+
+    def rms_norm(self, x, weight, eps, residual=None):
+        self.check_dtype("rms_norm", *([x, weight] if residual is None else [x, weight, residual]))
+        return self._ops.rms_norm(x, weight, eps, residual)
+
+    def silu_mul(self, gate_up):
+        self.check_dtype("silu_mul", gate_up)
+        if gate_up.shape[-1] % 2:
+            raise UnsupportedError(f"silu_mul: last dim must be even, got {gate_up.shape[-1]}")
+        if self.path == "triton":
+            return self._ops.silu_mul(gate_up)
+        g, u = gate_up.float().chunk(2, dim=-1)
+        return ((g / (1.0 + torch.exp(-g))) * u).to(gate_up.dtype)  # plain SiLU*up, never npu_swiglu
+
+    def rotary(self, positions, q, k, cos_sin_cache):
+        self.check_dtype("rotary", q, k)
+        if cos_sin_cache.dtype != torch.float32 or cos_sin_cache.shape[-1] % 2 or cos_sin_cache.shape[-1] > q.shape[-1]:
+            raise UnsupportedError("rotary: cos_sin_cache must be fp32 (max_pos, R) with even R <= head dim")
+        table = cos_sin_cache.to(q.device).contiguous()
+        pos = positions.to(q.device).contiguous()
+        if self.path == "triton":
+            return self._ops.rotary(pos, q, k, table)
+        return _rotary_torch(pos, q, table), _rotary_torch(pos, k, table)
+
+    def log_softmax(self, logits, temperature=1.0):
+        self._check_logits(logits, temperature)
+        return self._ops.log_softmax(logits, float(temperature))
+
+    def token_logprobs(self, logits, token_ids, temperature=1.0):
+        self._check_logits(logits, temperature)
+        return self._ops.token_logprobs(logits, token_ids, float(temperature))
+
+    def _check_logits(self, logits, temperature):
+        if logits.dim() != 2:
+            raise UnsupportedError(f"log_softmax: logits must be (M, V), got {tuple(logits.shape)}")
+        if not temperature > 0:
+            raise UnsupportedError(f"log_softmax: temperature must be > 0, got {temperature}")
+
+    def sum(self, x, dim=-1):
+        x2 = x.movedim(dim, -1)
+        return self._ops.sum(x2.reshape(-1, x2.shape[-1])).view(x2.shape[:-1])
+
+    def mean(self, x, dim=-1):
+        x2 = x.movedim(dim, -1)
+        return self._ops.mean(x2.reshape(-1, x2.shape[-1])).view(x2.shape[:-1])
+
+    def topk(self, x, k):
+        if not 0 < k <= x.shape[-1]:
+            raise UnsupportedError(f"topk: k must be in 1..{x.shape[-1]}, got {k}")
+        values, indices = torch.sort(x, dim=-1, descending=True, stable=True)  # comparisons only
+        return values[..., :k].contiguous(), indices[..., :k].contiguous()
+
+
+def _rotary_torch(positions, x, table):
+    """Neox rotary with one torch op per product and sum: fl(fl(x1 c) - fl(x2 s)), no FMA."""
+    half = table.shape[-1] // 2
+    cos, sin = table[positions.long(), :half][:, None, :], table[positions.long(), half:][:, None, :]
+    x1, x2 = x[..., :half].float(), x[..., half:2 * half].float()
+    out = x.clone()
+    out[..., :half] = ((x1 * cos) - (x2 * sin)).to(x.dtype)
+    out[..., half:2 * half] = ((x2 * cos) + (x1 * sin)).to(x.dtype)
+    return out
