@@ -122,6 +122,11 @@ def _check_type(where: str, value: Any, annotation: str) -> Any:
     if base == "float":
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):       # YAML 1.1 reads `1e-2` (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
         raise RecipeError(f"{where} = {value!r}: expected a number")
     if base == "str":
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
