@@ -1,0 +1,111 @@
+"""The cuda backend's Triton kernels under Triton's CPU interpreter (TRITON_INTERPRET=1), for CI.
+
+Interpreter bits are not GPU bits (numpy dot order, numpy exp): these tests check the kernels'
+logic (masking, paging, ragged lengths, causal bounds, chunk and split boundaries) through
+invariances within the backend and tolerances against the reference backend. The bitwise GPU
+results are in bench/results/ (run on the H200 with bench/h200.sh).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+
+@pytest.fixture(scope="module")
+def cuda():
+    """The cuda backend with its kernels run by the interpreter (tests/conftest.py sets
+    TRITON_INTERPRET=1 before triton is imported when no GPU is present)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("a GPU is present: the cuda kernels are tested on it with bench/h200.sh, not interpreted")
+    from hal.api import create_backend
+
+    return create_backend("cuda")
+
+
+@pytest.fixture(scope="module")
+def reference():
+    from hal.api import create_backend
+
+    return create_backend("reference")
+
+
+def test_probe_reports_the_interpreter_as_emulated_and_automatic_selection_skips_it(cuda):
+    from hal.api import resolve_backend_name
+
+    probe = type(cuda).probe()
+    assert probe.available and probe.details["emulated"] and "interpreter" in probe.device
+    assert resolve_backend_name()[0] == "reference"
+
+
+def test_gemm_launch_shapes_give_the_same_bits_and_match_the_reference(cuda, reference):
+    from hal.backends.cuda import gemm
+    from hal.conformance.checks import random_tensor
+
+    g = torch.Generator().manual_seed(0)
+    for dtype, (m, n, k) in ((torch.bfloat16, (5, 40, 1100)), (torch.float32, (17, 33, 600))):
+        x = random_tensor((m, k), dtype, g, spread=4)
+        w = random_tensor((n, k), dtype, g, spread=4, scale=k ** -0.5)
+        b = random_tensor((n,), dtype, g)
+        # BLOCK_K stays fixed here: the interpreter's dot adds a whole BLOCK_K-wide numpy product to
+        # the accumulator, so unlike the GPU's MMA (k16 steps) its bits depend on BLOCK_K.
+        outs = [gemm.linear(x, w, b, torch.float32, 512, cfg) for cfg in (
+            dict(split=False), dict(split=True), dict(BLOCK_M=32, BLOCK_N=16, split=False))]
+        assert all(torch.equal(outs[0], o) for o in outs[1:]), "launch shape changed the bits"
+        other_chunk = gemm.linear(x, w, b, torch.float32, 256, dict(split=False))
+        assert not torch.equal(outs[0], other_chunk), "k_chunk does not reach the kernel"
+        ref = reference.linear(x, w, b, out_dtype=torch.float32)
+        magnitude = x.double().abs() @ w.double().abs().T + b.double().abs()
+        assert bool(((outs[0].double() - ref.double()).abs() <= 2 ** -18 * magnitude).all())
+
+
+@pytest.mark.parametrize("page_size", [16, 5])
+def test_attention_across_kv_chunks_and_splits(cuda, reference, page_size):
+    """One sequence of 530 keys (crossing kv_chunk 64 and kv_split 512) with batch-mates: the
+    in-kernel and the parallel split-KV paths, several query-tile sizes, prefill vs decode."""
+    from hal.backends.cuda import attention
+    from hal.conformance.checks import AttentionCase, run_schedule
+
+    spec = cuda.contract.attention
+    case = AttentionCase(530, 2, 1, 64, torch.bfloat16, seed=3)
+    full = run_schedule(cuda, case, [530], page_size)
+    decode = run_schedule(cuda, case, [508] + [1] * 22, page_size, mates=1, seed=5)
+    assert torch.equal(full, decode), "decode across the split boundary differs from prefill"
+    ref = run_schedule(reference, case, [530], page_size)
+    assert bool(((full.float() - ref.float()).abs() <= 2 ** -6 * (1 + ref.float().abs())).all())
+
+    q, k, v = case.tensors()
+    from hal.kvcache import build_metadata
+
+    pages = -(-530 // page_size)
+    k_cache = k.new_zeros(pages, page_size, 1, 64).flatten(0, 1)
+    v_cache = v.new_zeros(pages, page_size, 1, 64).flatten(0, 1)
+    k_cache[:530], v_cache[:530] = k, v
+    k_cache, v_cache = k_cache.view(pages, page_size, 1, 64), v_cache.view(pages, page_size, 1, 64)
+    meta = build_metadata([40], [530], [list(range(pages))])
+    args = (q[-40:].contiguous(), k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_table,
+            64 ** -0.5, spec.kv_chunk, spec.kv_split)
+    outs = [attention.paged_attention(*args, split_parallel=sp, block_q=bq) for sp, bq in
+            ((False, 32), (True, 32), (False, 8), (True, 1))]
+    assert all(torch.equal(outs[0], o) for o in outs[1:]), "split-KV parallelism or query tiling changed the bits"
+    assert torch.equal(outs[0], full[-40:])
+
+
+def test_conformance_kit_tiny_passes_on_cuda_under_the_interpreter(tmp_path):
+    report = tmp_path / "cuda.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HAL_")}
+    env.update(TRITON_INTERPRET="1", CI="1")
+    out = subprocess.run([sys.executable, "-m", "hal.cli", "conformance", "--backend", "cuda", "--tiny",
+                          "--json", str(report)], env=env, capture_output=True, text=True, timeout=1500)
+    assert out.returncode == 0, out.stdout[-5000:] + out.stderr[-3000:]
+    data = json.loads(report.read_text())
+    assert data["summary"]["ok"] and data["header"]["device"] == "cpu (triton interpreter)"
+    levels = {level for cells in data["results"].values() for level in cells}
+    assert levels == {"1", "2", "3", "4", "5", "6"}
