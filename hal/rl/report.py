@@ -13,8 +13,8 @@ import json
 from pathlib import Path
 from typing import Sequence
 
-# The linear range of the symmetric-log axes: below any non-zero fp32 logprob difference we see.
-SYMLOG_LINTHRESH = 1e-10
+# The linear range of a symmetric-log axis when a plot has no non-zero value at all.
+SYMLOG_LINTHRESH = 1e-12
 
 
 class MetricsLog:
@@ -81,8 +81,10 @@ def _plot(runs: dict[str, list[dict]], key: str, ylabel: str, path: Path, symlog
     fig, ax = plt.subplots(figsize=(7, 3.6))
     for label, metrics in runs.items():
         ax.plot([m["step"] for m in metrics], [m[key] for m in metrics], marker="o", markersize=3, label=label)
-    if symlog:
-        ax.set_yscale("symlog", linthresh=SYMLOG_LINTHRESH)
+    if symlog:   # linear only below the smallest non-zero value: zeros on the axis, every difference visible
+        nonzero = [abs(m[key]) for ms in runs.values() for m in ms if m[key] != 0]
+        linthresh = min(nonzero) / 10 if nonzero else SYMLOG_LINTHRESH
+        ax.set_yscale("symlog", linthresh=linthresh)
     ax.set_xlabel("step")
     ax.set_ylabel(ylabel)
     ax.grid(True, alpha=0.3)
