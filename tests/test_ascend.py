@@ -173,8 +173,8 @@ def test_attention_mapping_for_flash_attention_npu_and_the_split_rule():
         mapping.attention_args(CONTRACT, "flash_attn_npu_v3", max_seq_len=100, **kw)
     c128 = replace(CONTRACT, "attention", kv_chunk=128, kv_split=512)
     args = mapping.attention_args(c128, "flash_attn_npu_v3", max_seq_len=512, **kw)
-    assert (args["num_splits"], args["page_block_size"], args["causal"], args["softmax_scale"],
-            args["num_heads"], args["num_kv_heads"]) == (1, 128, True, 0.125, 8, 2)
+    assert (args["num_splits"], args["pack_gqa"], args["page_block_size"], args["causal"], args["softmax_scale"],
+            args["num_heads"], args["num_kv_heads"], args["window_size"]) == (1, False, 128, True, 0.125, 8, 2, (-1, -1))
     # One split (num_splits=1) realises kv_split only while the context fits in one split.
     with pytest.raises(UnsupportedError, match="kv_split"):
         mapping.attention_args(c128, "flash_attn_npu_v3", max_seq_len=513, **kw)
@@ -332,6 +332,29 @@ def test_cann_attention_passes_the_mapping_and_reblocks_the_cache_exactly():
     assert (kwargs["sparse_mode"], kwargs["inner_precise"], kwargs["block_size"], kwargs["input_layout"],
             kwargs["num_heads"], kwargs["num_key_value_heads"], kwargs["actual_seq_lengths_kv"]) == (
         3, 0, 64, "TND", 4, 2, [47])
+
+
+def test_cann_attention_calls_flash_attention_npu_with_one_split_and_no_heuristics():
+    from hal.backends.ascend.cann_ops import CannOps
+    from hal.kvcache import build_metadata
+
+    seen = {}
+
+    def flash_attn_with_kvcache(q, k_cache, v_cache, **kwargs):
+        seen.update(kwargs, k_shape=tuple(k_cache.shape))
+        return torch.zeros_like(q)
+
+    flash = types.SimpleNamespace(flash_attn_with_kvcache=flash_attn_with_kvcache)
+    c128 = replace(CONTRACT, "attention", kv_chunk=128, kv_split=512)
+    ops = CannOps(c128, "flash_attn_npu_v3", ops=_RecordingOps(), torch_npu=object(), flash=flash)
+    k_cache = torch.zeros(8, 16, 2, 64, dtype=torch.bfloat16)
+    meta = build_metadata([2, 1], [20, 100], [[0, 1], [2, 3, 4, 5, 6, 7, 0]])
+    ops.attention(torch.zeros(3, 4, 64, dtype=torch.bfloat16), k_cache, k_cache.clone(), meta, 0.125)
+    assert (seen["num_splits"], seen["pack_gqa"], seen["causal"], seen["softmax_scale"]) == (1, False, True, 0.125)
+    assert seen["k_shape"] == (2, 128, 2, 64) and seen["page_table"].tolist() == [[0], [1]]
+    assert seen["cache_seqlens"].tolist() == [20, 100] and seen["cu_seqlens_q"].tolist() == [0, 2, 3]
+    with pytest.raises(UnsupportedError, match="bf16"):
+        ops.attention(torch.zeros(3, 4, 64), k_cache.float(), k_cache.float(), meta, 0.125)
 
 
 # ---------------------------------------------------------------------------------------------

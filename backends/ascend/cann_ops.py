@@ -111,11 +111,12 @@ class CannOps:
         cu_q = torch.tensor(starts, dtype=torch.int32, device=q.device)
         if self.attention_impl == "flash_attn_npu_v3":
             return self.flash.flash_attn_with_kvcache(
-                q, k_blocks, v_blocks, cache_seqlens=seq_lens, block_table=block_table, cu_seqlens_q=cu_q,
+                q, k_blocks, v_blocks, cache_seqlens=seq_lens, page_table=block_table, cu_seqlens_q=cu_q,
                 max_seqlen_q=max(starts[i + 1] - starts[i] for i in range(len(lens))),
                 softmax_scale=args["softmax_scale"], causal=args["causal"], window_size=args["window_size"],
-                softcap=args["softcap"], num_splits=args["num_splits"],
-                return_softmax_lse=args["return_softmax_lse"])
+                attention_chunk=args["attention_chunk"], softcap=args["softcap"],
+                scheduler_metadata=args["scheduler_metadata"], num_splits=args["num_splits"],
+                pack_gqa=args["pack_gqa"], return_softmax_lse=args["return_softmax_lse"])
         mask = torch.triu(torch.ones(2048, 2048, dtype=torch.bool, device=q.device), diagonal=1)
         blocks, bs = k_blocks.shape[:2]
         out, _ = self.ops.npu_fused_infer_attention_score_batch_invariant(

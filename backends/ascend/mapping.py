@@ -116,7 +116,8 @@ def gemm_args(contract: Contract) -> GemmArgs:
 # ---------------------------------------------------------------------------------------------
 
 ATTENTION_ASSUMPTIONS = (
-    "the kernel's online softmax steps over whole KV blocks of block_size keys, in ascending order",
+    "the kernel's online softmax steps over whole KV blocks of block_size keys, in ascending order "
+    "(in the upstream FlashAttention-3 design the KV tile is independent of the page size: check first)",
     "scores are fp32; masked keys are selected out before the row max (flash-attention-npu's fix)",
     "the kernel's exp / scale placement / P dtype / row sum match the contract's "
     "(folded_log2e + exp2, P rounded to the activation dtype, row sum of the rounded P): "
@@ -148,8 +149,10 @@ def attention_args(contract: Contract, impl: str, *, num_q_heads: int, num_kv_he
             raise UnsupportedError(f"ascend attention: flash_attn_npu_v3 takes KV blocks of {FLASH_BLOCK_SIZES} "
                                    f"keys; [attention].kv_chunk = {block} cannot be realised (use "
                                    "HAL_ASCEND_ATTENTION=fia_batch_invariant or HAL_ASCEND_PATH=triton)")
+        # num_splits defaults to 0 (a split heuristic) and pack_gqa to None (a heuristic): both pinned.
         return dict(op="flash_attn_npu_v3.flash_attn_with_kvcache", layout="TND (cu_seqlens_q)",
-                    page_block_size=block, num_splits=1, causal=True, window_size=(-1, -1), softcap=0.0,
+                    page_block_size=block, num_splits=1, pack_gqa=False, attention_chunk=0,
+                    scheduler_metadata=None, causal=True, window_size=(-1, -1), softcap=0.0,
                     softmax_scale=float(scale), num_heads=num_q_heads, num_kv_heads=num_kv_heads,
                     gqa="query head h reads KV head h // (num_heads // num_kv_heads)",
                     return_softmax_lse=False, assumptions=ATTENTION_ASSUMPTIONS)
