@@ -73,6 +73,16 @@ def test_resume_continues_bitwise_like_an_uninterrupted_run(tmp_path):
     assert [_numbers(m) for m in resumed] == [_numbers(m) for m in full]
 
 
+def test_local_hf_checkpoint_model(tmp_path):
+    pytest.importorskip("safetensors")
+    from hal.model import DecoderLM, save_pretrained, tiny_config
+
+    save_pretrained(DecoderLM.random(tiny_config("qwen3", "float32", vocab_size=16), seed=1), tmp_path / "ckpt")
+    recipe = _recipe(tmp_path, "steps=2", f"model.checkpoint={tmp_path / 'ckpt'}", "model.overrides={}")
+    metrics = run_recipe(recipe, echo=None)["runs"]["reference"]
+    assert [m["mismatches"] for m in metrics] == [0, 0]
+
+
 def test_resume_refuses_a_changed_recipe(tmp_path):
     run_recipe(_recipe(tmp_path, "steps=2"), echo=None)
     with pytest.raises(RecipeError, match="learning_rate"):

@@ -271,7 +271,8 @@ def validate(recipe: Recipe, source: str = "recipe") -> None:
                       "no such local Hugging Face checkpoint (a directory with config.json and *.safetensors); "
                       "fix the path, or remove model.checkpoint to use a tiny seeded model")
         if m.overrides:
-            raise bad("model.overrides", m.overrides, "overrides apply to a tiny seeded model only, not to a checkpoint")
+            raise bad("model.overrides", m.overrides, "overrides apply to a tiny seeded model only, not to a "
+                      "checkpoint; remove them (model.overrides={}) or remove model.checkpoint")
     else:
         if m.arch not in ARCHITECTURES:
             raise bad("model.arch", m.arch, f"use one of {', '.join(ARCHITECTURES)}")
