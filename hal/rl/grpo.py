@@ -34,7 +34,6 @@ exactly the batches the uninterrupted run would have drawn.
 from __future__ import annotations
 
 import hashlib
-import logging
 import os
 import random
 import time
@@ -51,8 +50,6 @@ from hal.rl.recipe import Recipe, RecipeError, dump_recipe
 from hal.rl.report import MetricsLog
 from hal.rl.task import make_task
 from hal.rollout import Completion, HarnessConfig, Request, RolloutHarness, recompute_logprobs
-
-log = logging.getLogger(__name__)
 
 CHECKPOINT = "checkpoint.pt"
 METRICS = "metrics.jsonl"
@@ -167,8 +164,15 @@ class GRPORun:
 
     def run(self) -> list[dict]:
         """Run (or resume) to ``recipe.steps``; returns this invocation's per-step metrics."""
+        threads = torch.get_num_threads()
+        torch.set_num_threads(self.recipe.threads)
+        try:
+            return self._run()
+        finally:
+            torch.set_num_threads(threads)     # the caller's setting (tests run many things in one process)
+
+    def _run(self) -> list[dict]:
         r = self.recipe
-        torch.set_num_threads(r.threads)
         backend = api.create_backend(r.backend, r.contract)
         torch.manual_seed(r.seed)
         random.seed(r.seed)
