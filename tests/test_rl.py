@@ -91,7 +91,7 @@ def test_resume_refuses_a_changed_recipe(tmp_path):
 
 @pytest.mark.parametrize("overrides, message", [
     (["lr=0.1"], "unknown key 'lr'"),
-    (["model.seeed=1"], "model: unknown key 'seeed'"),
+    (["model.seeed=1"], "model: unknown key 'seeed' \\(did you mean 'seeed' -> 'seed'\\?\\)"),
     (["steps=ten"], "steps = 'ten': expected an integer"),
     (["backend=nosuch"], "no backend named 'nosuch'"),
     (["backend=ascend"], "'ascend' is installed but not available here"),

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -145,8 +146,11 @@ def _build(cls, data: Any, where: str):
     known = _fields(cls)
     unknown = sorted(set(data) - set(known))
     if unknown:
+        hints = [f"{u!r} -> {close[0]!r}" for u in unknown if (close := difflib.get_close_matches(u, known, 1))]
         raise RecipeError(f"{where or 'recipe'}: unknown key{'s' if len(unknown) > 1 else ''} "
-                          f"{', '.join(map(repr, unknown))}; known keys: {', '.join(known)}")
+                          f"{', '.join(map(repr, unknown))}"
+                          + (f" (did you mean {', '.join(hints)}?)" if hints else "")
+                          + f"; known keys: {', '.join(known)}")
     kwargs = {}
     for name, value in data.items():
         key = f"{where}.{name}" if where else name
