@@ -118,6 +118,45 @@ class Backend(abc.ABC):
                                    f"{[str(d) for d in self.dtypes]}")
         return dtype
 
+    def check_devices(self, op: str, *tensors: torch.Tensor | None) -> None:
+        """Raise unless every given tensor lives on this backend's device type."""
+        for t in tensors:
+            if t is not None and t.device.type != self.device.type:
+                raise UnsupportedError(f"{self.name}.{op}: tensors must be on {self.device}, got {t.device}")
+
+    def check_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     out_dtype: torch.dtype | None) -> torch.dtype:
+        """Validate ``linear``'s arguments; return the output dtype (default: the activation dtype)."""
+        dtype = self.check_dtype("linear", x, weight)
+        if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
+            raise UnsupportedError(f"{self.name}.linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not "
+                                   f"match (weight must be (N, K) with K = x.shape[-1])")
+        if bias is not None and (bias.shape != (weight.shape[0],) or bias.dtype != dtype):
+            raise UnsupportedError(f"{self.name}.linear: bias must be ({weight.shape[0]},) {dtype}, got "
+                                   f"{tuple(bias.shape)} {bias.dtype}")
+        out_dtype = out_dtype or dtype
+        if out_dtype not in (dtype, torch.float32):
+            raise UnsupportedError(f"{self.name}.linear: out_dtype must be {dtype} or torch.float32, got {out_dtype}")
+        return out_dtype
+
+    def check_rotary(self, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.dtype:
+        dtype = self.check_dtype("rotary", q, k)
+        rot = cos_sin_cache.shape[-1]
+        if cos_sin_cache.dtype != torch.float32 or rot % 2 or rot > q.shape[-1]:
+            raise UnsupportedError(f"{self.name}.rotary: cos_sin_cache must be fp32 (max_pos, R) with even R <= head "
+                                   f"dim, got {cos_sin_cache.dtype} {tuple(cos_sin_cache.shape)}")
+        return dtype
+
+    def check_topk(self, x: torch.Tensor, k: int) -> None:
+        if not 0 < k <= x.shape[-1]:
+            raise UnsupportedError(f"{self.name}.topk: k must be in 1..{x.shape[-1]}, got {k}")
+
+    def check_logits(self, logits: torch.Tensor, temperature: float) -> None:
+        if logits.dim() != 2:
+            raise UnsupportedError(f"{self.name}.log_softmax: logits must be (M, V), got {tuple(logits.shape)}")
+        if not temperature > 0:
+            raise UnsupportedError(f"{self.name}.log_softmax: temperature must be > 0, got {temperature}")
+
     def __repr__(self) -> str:
         bound = str(self.contract) if self.contract is not None else "no contract"
         return f"<{type(self).__name__} {self.name!r} on {self.device} realising {bound}>"
@@ -143,10 +182,21 @@ class Backend(abc.ABC):
         One op for prefill, chunked prefill, decode and training, following [attention].
         """
 
-    @abc.abstractmethod
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
-        """Store k, v (T, Hkv, D) at flat slots ``page * P + row`` (T,) of the caches; slot -1 skips."""
+        """Store k, v (T, Hkv, D) at flat slots ``page * P + row`` (T,) of the caches; slot -1 skips.
+
+        The default is an exact indexed copy (no arithmetic, so nothing for a contract to pin); a
+        backend overrides it only for speed.
+        """
+        self.check_dtype("write_kv", k, v, k_cache, v_cache)
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+            raise UnsupportedError(f"{self.name}.write_kv: the caches must be contiguous (writes go through a "
+                                   f"flat view)")
+        keep = slot_mapping >= 0
+        slots = slot_mapping[keep].long()
+        k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep]
+        v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep]
 
     @abc.abstractmethod
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,

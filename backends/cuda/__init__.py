@@ -9,8 +9,8 @@ Where each kernel's reduction order is written down (the comment at the top of e
   rows.py       RMSNorm (+residual), sum/mean: row blocks; SiLU*up and rotary (pointwise)
   logprobs.py   log-softmax / token logprobs: vocabulary chunks of [logprobs].vocab_chunk
 Top-k uses ``torch.sort(stable=True)``: comparison only, no arithmetic, so any correct stable sort
-gives the contract's bits (value descending, ties to the lower index). The KV-cache write is an
-exact indexed copy.
+gives the contract's bits (value descending, ties to the lower index). The KV-cache write is the
+base class's exact indexed copy.
 
 Under ``TRITON_INTERPRET=1`` (no GPU, CI) the same kernels run on CPU tensors through Triton's
 interpreter, with bf16 upcast after each load (exact) because the interpreter cannot do bf16
@@ -73,23 +73,11 @@ class CudaBackend(Backend):
             patch_row_dot()
         self._gemm, self._attention, self._rows, self._logprobs = gemm, attention, rows, logprobs
 
-    def _on_device(self, op: str, *tensors: torch.Tensor) -> None:
-        for t in tensors:
-            if t is not None and t.device.type != self.device.type:
-                raise UnsupportedError(f"cuda.{op}: tensors must be on {self.device}, got {t.device}")
-
     # -- GEMM ---------------------------------------------------------------------------------
 
     def linear(self, x, weight, bias=None, *, out_dtype=None):
-        dtype = self.check_dtype("linear", x, weight)
-        self._on_device("linear", x, weight, bias)
-        if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
-            raise UnsupportedError(f"linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match")
-        if bias is not None and (bias.shape != (weight.shape[0],) or bias.dtype != dtype):
-            raise UnsupportedError(f"linear: bias must be ({weight.shape[0]},) {dtype}")
-        out_dtype = out_dtype or dtype
-        if out_dtype not in (dtype, torch.float32):
-            raise UnsupportedError(f"linear: out_dtype must be {dtype} or torch.float32, got {out_dtype}")
+        out_dtype = self.check_linear(x, weight, bias, out_dtype)
+        self.check_devices("linear", x, weight, bias)
         x2 = x.reshape(-1, x.shape[-1])
         out = self._gemm.linear(x2, weight, bias, out_dtype, self.contract.gemm.k_chunk)
         return out.reshape(*x.shape[:-1], weight.shape[0])
@@ -98,7 +86,7 @@ class CudaBackend(Backend):
 
     def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, *, scale):
         self.check_dtype("attention", q, k_cache, v_cache)
-        self._on_device("attention", q, k_cache, v_cache)
+        self.check_devices("attention", q, k_cache, v_cache)
         if q.shape[-1] not in HEAD_DIMS or q.shape[1] % k_cache.shape[2]:
             raise UnsupportedError(f"attention: head dim must be one of {HEAD_DIMS} and query heads a multiple of "
                                    f"KV heads; got q {tuple(q.shape)}, cache {tuple(k_cache.shape)}")
@@ -106,15 +94,6 @@ class CudaBackend(Backend):
         return self._attention.paged_attention(
             q.contiguous(), k_cache, v_cache, meta.query_start_loc.to(torch.int32), meta.seq_lens.to(torch.int32),
             meta.block_table.to(torch.int32), scale, spec.kv_chunk, spec.kv_split)
-
-    def write_kv(self, k, v, k_cache, v_cache, slot_mapping):
-        self.check_dtype("write_kv", k, v, k_cache, v_cache)
-        if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-            raise UnsupportedError("write_kv: the caches must be contiguous")
-        keep = slot_mapping >= 0
-        slots = slot_mapping[keep].long()
-        k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep]
-        v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep]
 
     # -- row and pointwise ops ----------------------------------------------------------------
 
@@ -132,28 +111,20 @@ class CudaBackend(Backend):
         return self._rows.silu_mul(gate_up.contiguous())
 
     def rotary(self, positions, q, k, cos_sin_cache):
-        self.check_dtype("rotary", q, k)
-        if cos_sin_cache.dtype != torch.float32 or cos_sin_cache.shape[-1] % 2 or cos_sin_cache.shape[-1] > q.shape[-1]:
-            raise UnsupportedError("rotary: cos_sin_cache must be fp32 (max_pos, R) with even R <= head dim")
+        self.check_rotary(q, k, cos_sin_cache)
         table = cos_sin_cache.to(q.device).contiguous()
         pos = positions.to(q.device).contiguous()
         return (self._rows.rotary(pos, q.contiguous(), table), self._rows.rotary(pos, k.contiguous(), table))
 
     def log_softmax(self, logits, temperature=1.0):
-        self._check_logits(logits, temperature)
+        self.check_logits(logits, temperature)
         return self._logprobs.log_softmax(logits.contiguous(), float(temperature),
                                           self.contract.logprobs.vocab_chunk)
 
     def token_logprobs(self, logits, token_ids, temperature=1.0):
-        self._check_logits(logits, temperature)
+        self.check_logits(logits, temperature)
         return self._logprobs.token_logprobs(logits.contiguous(), token_ids.contiguous(), float(temperature),
                                              self.contract.logprobs.vocab_chunk)
-
-    def _check_logits(self, logits, temperature):
-        if logits.dim() != 2:
-            raise UnsupportedError(f"log_softmax: logits must be (M, V), got {tuple(logits.shape)}")
-        if not temperature > 0:
-            raise UnsupportedError(f"log_softmax: temperature must be > 0, got {temperature}")
 
     def sum(self, x, dim=-1):
         return self._rows.reduce_last(x.movedim(dim, -1).contiguous(), False, self.contract.reduce.row_block)
@@ -162,7 +133,6 @@ class CudaBackend(Backend):
         return self._rows.reduce_last(x.movedim(dim, -1).contiguous(), True, self.contract.reduce.row_block)
 
     def topk(self, x, k):
-        if not 0 < k <= x.shape[-1]:
-            raise UnsupportedError(f"topk: k must be in 1..{x.shape[-1]}, got {k}")
+        self.check_topk(x, k)
         values, indices = torch.sort(x, dim=-1, descending=True, stable=True)
         return values[..., :k].contiguous(), indices[..., :k].contiguous()

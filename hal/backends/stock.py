@@ -62,12 +62,6 @@ class TorchBackend(Backend):
             out[q0:q1] = o.transpose(0, 1)
         return out
 
-    def write_kv(self, k, v, k_cache, v_cache, slot_mapping):
-        keep = slot_mapping >= 0
-        slots = slot_mapping[keep].long()
-        k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep]
-        v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep]
-
     def rms_norm(self, x, weight, eps, residual=None):
         if residual is not None:
             x = x + residual

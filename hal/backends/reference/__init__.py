@@ -48,16 +48,7 @@ class ReferenceBackend(Backend):
     # -- GEMM ---------------------------------------------------------------------------------
 
     def linear(self, x, weight, bias=None, *, out_dtype=None):
-        dtype = self.check_dtype("linear", x, weight)
-        if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
-            raise UnsupportedError(f"linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match "
-                                   f"(weight must be (N, K) with K = x.shape[-1])")
-        if bias is not None and (bias.shape != (weight.shape[0],) or bias.dtype != dtype):
-            raise UnsupportedError(f"linear: bias must be ({weight.shape[0]},) {dtype}, got "
-                                   f"{tuple(bias.shape)} {bias.dtype}")
-        out_dtype = out_dtype or dtype
-        if out_dtype not in (dtype, torch.float32):
-            raise UnsupportedError(f"linear: out_dtype must be {dtype} or torch.float32, got {out_dtype}")
+        out_dtype = self.check_linear(x, weight, bias, out_dtype)
         k = x.shape[-1]
         x2 = x.reshape(-1, k)
         # [gemm]: K in chunks of k_chunk at absolute offsets, each a correctly rounded fp32 sum,
@@ -78,15 +69,6 @@ class ReferenceBackend(Backend):
     def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, *, scale):
         self.check_dtype("attention", q, k_cache, v_cache)
         return paged_attention(q, k_cache, v_cache, meta, scale, self.contract.attention)
-
-    def write_kv(self, k, v, k_cache, v_cache, slot_mapping):
-        self.check_dtype("write_kv", k, v, k_cache, v_cache)
-        if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-            raise UnsupportedError("write_kv: the caches must be contiguous (writes go through a flat view)")
-        keep = slot_mapping >= 0
-        slots = slot_mapping[keep].long()
-        k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep]
-        v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep]
 
     # -- pointwise and row ops ----------------------------------------------------------------
 
@@ -115,11 +97,8 @@ class ReferenceBackend(Backend):
         return (silu * u).to(dtype)
 
     def rotary(self, positions, q, k, cos_sin_cache):
-        dtype = self.check_dtype("rotary", q, k)
+        dtype = self.check_rotary(q, k, cos_sin_cache)
         rot = cos_sin_cache.shape[-1]
-        if cos_sin_cache.dtype != torch.float32 or rot % 2 or rot > q.shape[-1]:
-            raise UnsupportedError(f"rotary: cos_sin_cache must be fp32 (max_pos, R) with even R <= head dim, "
-                                   f"got {cos_sin_cache.dtype} {tuple(cos_sin_cache.shape)}")
         cos, sin = cos_sin_cache[positions.long()].chunk(2, dim=-1)       # (T, R/2) each
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
 
@@ -137,10 +116,7 @@ class ReferenceBackend(Backend):
 
     def _shifted_and_log_sum(self, logits, temperature):
         """x - max and log(sum exp(x - max)) per row, as [logprobs] says."""
-        if logits.dim() != 2:
-            raise UnsupportedError(f"log_softmax: logits must be (M, V), got {tuple(logits.shape)}")
-        if not temperature > 0:
-            raise UnsupportedError(f"log_softmax: temperature must be > 0, got {temperature}")
+        self.check_logits(logits, temperature)
         x = logits.float()
         if temperature != 1.0:
             x = _fdiv(x, float(temperature))
@@ -172,8 +148,7 @@ class ReferenceBackend(Backend):
         return _fdiv(self._sum_last(x), float(x.shape[-1]))
 
     def topk(self, x, k):
-        if not 0 < k <= x.shape[-1]:
-            raise UnsupportedError(f"topk: k must be in 1..{x.shape[-1]}, got {k}")
+        self.check_topk(x, k)
         # A stable descending sort keeps equal values in index order: ties go to the lower index.
         values, indices = torch.sort(x, dim=-1, descending=True, stable=True)
         return values[..., :k], indices[..., :k]
