@@ -112,6 +112,20 @@ def test_bad_recipes_fail_before_any_work_and_write_nothing(tmp_path, overrides,
     assert not out.exists()
 
 
+def test_a_backend_that_cannot_run_the_model_fails_before_writing(tmp_path, monkeypatch):
+    from hal.backends.reference import ReferenceBackend
+    from hal.errors import UnsupportedError
+
+    def refuse(self, *args, **kwargs):
+        raise UnsupportedError("attention: head dim must be one of (64, 128)")
+
+    monkeypatch.setattr(ReferenceBackend, "attention", refuse)
+    recipe = _recipe(tmp_path, "steps=2")
+    with pytest.raises(RecipeError, match="cannot run this recipe's model .*head dim must be one of"):
+        run_recipe(recipe, echo=None)
+    assert not (tmp_path / "out").exists()
+
+
 def test_cli_bad_recipe_exit_2_and_nothing_written(tmp_path, capsys):
     out = tmp_path / "out"
     assert main(["run", str(SMOKE), f"output_dir={out}", "engine=vllm"]) == 2

@@ -120,6 +120,20 @@ def response_entropy(model: DecoderLM, completions: Sequence[Completion], temper
     return float(-(logp.exp() * logp).sum(-1).mean())
 
 
+def _preflight(model: DecoderLM, recipe: Recipe) -> None:
+    """One tiny rollout and training forward before anything is written: a backend that cannot run
+    this model (a dtype or head_dim its kernels do not take) fails here, as a RecipeError."""
+    try:
+        completion = RolloutHarness(model, HarnessConfig(page_size=recipe.harness.page_size)).generate(
+            [Request(prompt=(0, 1), max_new_tokens=2, seed=0, temperature=recipe.temperature)])[0]
+        with torch.no_grad():
+            model.sequence_logprobs([completion.sequence], [2], temperature=recipe.temperature)
+    except HalError as exc:
+        raise RecipeError(f"backend {recipe.backend!r} cannot run this recipe's model "
+                          f"({model.config.architecture}, {model.config.dtype}, head_dim {model.config.head_dim}): "
+                          f"{exc}\nFix: change the model (model.dtype, model.overrides) or the backend") from None
+
+
 def _request_seed(seed: int, step: int, index: int) -> int:
     return int.from_bytes(hashlib.sha256(f"hal.rl sample {seed} {step} {index}".encode()).digest()[:7], "little")
 
@@ -177,6 +191,7 @@ class GRPORun:
         torch.manual_seed(r.seed)
         random.seed(r.seed)
         model = build_model(r, backend)
+        _preflight(model, r)
         optimizer = torch.optim.Adam(model.parameters(), lr=r.learning_rate)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         metrics_log = MetricsLog(self.run_dir / METRICS)
