@@ -140,6 +140,24 @@ def write_comparison(out_dir: str | Path, runs: dict[str, list[dict]], *, title:
     return path
 
 
+def side_by_side(runs: dict[str, list[dict]]) -> str:
+    """Per step, every run's diff next to the others' (the console view of compare mode)."""
+    by_step: dict[int, dict[str, dict]] = {}
+    for label, metrics in runs.items():
+        for m in metrics:
+            by_step.setdefault(m["step"], {})[label] = m
+
+    def cell(m: dict | None) -> str:
+        if m is None:
+            return "-"
+        if m["mismatches"] == 0:
+            return "diff = 0"
+        return f"{m['mismatches']}/{m['num_tokens']} differ, max|dlogp| {_g(m['max_abs_diff'])}, k3-KL {_g(m['k3_kl'])}"
+
+    return "\n".join(f"step {step:>3}: " + " | ".join(f"{label} {cell(by_step[step].get(label))}" for label in runs)
+                     for step in sorted(by_step))
+
+
 def summary_table(runs: dict[str, list[dict]]) -> str:
     """The console version of the summary (printed at the end of a comparison)."""
     sums = {label: summarize(m) for label, m in runs.items()}

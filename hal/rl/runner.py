@@ -17,7 +17,7 @@ from typing import Callable
 
 from hal.rl.grpo import METRICS, GRPORun
 from hal.rl.recipe import Recipe, load_recipe
-from hal.rl.report import progress_line, read_metrics, summary_table, write_comparison
+from hal.rl.report import progress_line, read_metrics, side_by_side, summary_table, write_comparison
 
 
 def _runs(recipe: Recipe) -> list[tuple[Recipe, Path]]:
@@ -43,6 +43,7 @@ def run_recipe(recipe: Recipe, *, echo: Callable[[str], None] | None = print) ->
         report = write_comparison(recipe.output_dir, runs, wall_s=wall,
                                   title=f"{recipe.name}: {recipe.backend} (contract) vs {recipe.baseline} (stock kernels)")
         if echo is not None:
+            echo(side_by_side(runs))
             echo(summary_table(runs))
             echo(f"report: {report}")
     elif echo is not None:
