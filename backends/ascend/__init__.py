@@ -104,23 +104,11 @@ class AscendBackend(Backend):
             "emulated": self.emulated, "verified_on_hardware": False,
         }
 
-    def _on_device(self, op: str, *tensors) -> None:
-        for t in tensors:
-            if t is not None and t.device.type != self.device.type:
-                raise UnsupportedError(f"ascend.{op}: tensors must be on {self.device}, got {t.device}")
-
     # -- ops ------------------------------------------------------------------------------------
 
     def linear(self, x, weight, bias=None, *, out_dtype=None):
-        dtype = self.check_dtype("linear", x, weight)
-        self._on_device("linear", x, weight, bias)
-        if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
-            raise UnsupportedError(f"linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match")
-        if bias is not None and (bias.shape != (weight.shape[0],) or bias.dtype != dtype):
-            raise UnsupportedError(f"linear: bias must be ({weight.shape[0]},) {dtype}")
-        out_dtype = out_dtype or dtype
-        if out_dtype not in (dtype, torch.float32):
-            raise UnsupportedError(f"linear: out_dtype must be {dtype} or torch.float32, got {out_dtype}")
+        out_dtype = self.check_linear(x, weight, bias, out_dtype)
+        self.check_devices("linear", x, weight, bias)
         x2 = x.reshape(-1, x.shape[-1])
         if x2.shape[0] == 0 or weight.shape[0] == 0:
             return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=out_dtype)
@@ -128,22 +116,14 @@ class AscendBackend(Backend):
 
     def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, *, scale):
         self.check_dtype("attention", q, k_cache, v_cache)
-        self._on_device("attention", q, k_cache, v_cache)
+        self.check_devices("attention", q, k_cache, v_cache)
         if q.shape[0] == 0:
             return torch.empty_like(q)
         return self._ops.attention(q, k_cache, v_cache, meta, scale)
 
-    def write_kv(self, k, v, k_cache, v_cache, slot_mapping):
-        self.check_dtype("write_kv", k, v, k_cache, v_cache)
-        if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-            raise UnsupportedError("write_kv: the caches must be contiguous")
-        keep = slot_mapping >= 0
-        slots = slot_mapping[keep].long()
-        k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep]
-        v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep]
-
     def rms_norm(self, x, weight, eps, residual=None):
         self.check_dtype("rms_norm", *([x, weight] if residual is None else [x, weight, residual]))
+        self.check_devices("rms_norm", x, weight, residual)
         return self._ops.rms_norm(x, weight, eps, residual)
 
     def silu_mul(self, gate_up):
@@ -156,9 +136,7 @@ class AscendBackend(Backend):
         return ((g / (1.0 + torch.exp(-g))) * u).to(gate_up.dtype)  # plain SiLU*up, never npu_swiglu
 
     def rotary(self, positions, q, k, cos_sin_cache):
-        self.check_dtype("rotary", q, k)
-        if cos_sin_cache.dtype != torch.float32 or cos_sin_cache.shape[-1] % 2 or cos_sin_cache.shape[-1] > q.shape[-1]:
-            raise UnsupportedError("rotary: cos_sin_cache must be fp32 (max_pos, R) with even R <= head dim")
+        self.check_rotary(q, k, cos_sin_cache)
         table = cos_sin_cache.to(q.device).contiguous()
         pos = positions.to(q.device).contiguous()
         if self.path == "triton":
@@ -166,18 +144,12 @@ class AscendBackend(Backend):
         return _rotary_torch(pos, q, table), _rotary_torch(pos, k, table)
 
     def log_softmax(self, logits, temperature=1.0):
-        self._check_logits(logits, temperature)
+        self.check_logits(logits, temperature)
         return self._ops.log_softmax(logits, float(temperature))
 
     def token_logprobs(self, logits, token_ids, temperature=1.0):
-        self._check_logits(logits, temperature)
+        self.check_logits(logits, temperature)
         return self._ops.token_logprobs(logits, token_ids, float(temperature))
-
-    def _check_logits(self, logits, temperature):
-        if logits.dim() != 2:
-            raise UnsupportedError(f"log_softmax: logits must be (M, V), got {tuple(logits.shape)}")
-        if not temperature > 0:
-            raise UnsupportedError(f"log_softmax: temperature must be > 0, got {temperature}")
 
     def sum(self, x, dim=-1):
         x2 = x.movedim(dim, -1)
@@ -188,8 +160,7 @@ class AscendBackend(Backend):
         return self._ops.mean(x2.reshape(-1, x2.shape[-1])).view(x2.shape[:-1])
 
     def topk(self, x, k):
-        if not 0 < k <= x.shape[-1]:
-            raise UnsupportedError(f"topk: k must be in 1..{x.shape[-1]}, got {k}")
+        self.check_topk(x, k)
         values, indices = torch.sort(x, dim=-1, descending=True, stable=True)  # comparisons only
         return values[..., :k].contiguous(), indices[..., :k].contiguous()
 
