@@ -17,8 +17,7 @@ $(STAMP): pyproject.toml constraints.txt
 venv: $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/hal doctor
-	$(BIN)/hal demo
+	$(BIN)/hal run recipes/default.yaml --compare overwrite=true
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

@@ -131,7 +131,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # argparse stops filling a trailing positional list at the first option, so
+    # `hal run recipe.yaml --compare steps=5` would leave `steps=5` unparsed: collect such
+    # KEY=VALUE words into the run's overrides; anything else unknown is still an error.
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if getattr(args, "overrides", None) is None or not all("=" in word and not word.startswith("-")
+                                                                for word in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = list(args.overrides) + extra
     try:
         return args.func(args)
     except HalError as exc:
