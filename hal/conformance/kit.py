@@ -7,7 +7,7 @@ import pytest
 import torch
 from hypothesis import strategies as st
 
-from hal.conformance.runner import CHECKS, repro_command
+from hal.conformance.runner import CHECKS, OP_OF, ROW_OPS, repro_command
 from hal.errors import UnsupportedError
 
 # Sizes that straddle tiles and thresholds: 1, primes, powers of two and their neighbours.
@@ -27,6 +27,19 @@ def widths(depth: str):
 
 def out_features(depth: str):
     return st.sampled_from(OUT_FEATURES[depth])
+
+
+def row_op_cases(backend, depth: str, op: str) -> dict:
+    """Hypothesis strategies for the row functions of ``op`` (``checks.op_row_functions``): which
+    variant, row width, output features (GEMM), dtype and seed."""
+    variants = [v for v in ROW_OPS if OP_OF[v] == op]
+    return dict(row_op=st.sampled_from(variants), width=widths(depth), out=out_features(depth),
+                dtype=st.sampled_from(dtypes_of(backend)), seed=st.integers(0, 2 ** 16))
+
+
+def fit_width(row_op: str, width: int) -> int:
+    """SiLU*up ([g | u]) and rotary (pairs) need an even width."""
+    return width + 1 if row_op in ("silu_mul", "rotary") and width % 2 else width
 
 
 def dtypes_of(backend) -> list[str]:

@@ -4,29 +4,25 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hal.conformance.kit import dtypes_of, out_features, run_check, widths
-from hal.conformance.runner import OP_OF, ROW_OPS
+from hal.conformance.kit import dtypes_of, fit_width, row_op_cases, run_check
+from hal.conformance.runner import OP_OF
 
 
 @pytest.mark.hal(level=1)
 @pytest.mark.parametrize("op", sorted(set(OP_OF.values())))
 def test_row_op_determinism(hal_backend, hal_depth, op):
-    variants = [v for v in ROW_OPS if OP_OF[v] == op]
-
-    @given(row_op=st.sampled_from(variants), width=widths(hal_depth), out=out_features(hal_depth),
-           dtype=st.sampled_from(dtypes_of(hal_backend)), seed=st.integers(0, 2 ** 16))
+    @given(**row_op_cases(hal_backend, hal_depth, op))
     def check(row_op, width, out, dtype, seed):
-        if row_op in ("silu_mul", "rotary") and width % 2:
-            width += 1
-        run_check("determinism", hal_backend, row_op=row_op, width=width, out_features=out, dtype=dtype, seed=seed)
+        run_check("determinism", hal_backend, row_op=row_op, width=fit_width(row_op, width), out_features=out,
+                  dtype=dtype, seed=seed)
 
     check()
 
 
 @pytest.mark.hal(level=1, op="attention")
 def test_attention_determinism(hal_backend, hal_depth):
-    @given(seq_len=st.sampled_from([1, 17, 65] + ([] if hal_depth == "tiny" else [130])), heads=st.sampled_from([(4, 1), (4, 2), (8, 8)]),
-           head_dim=st.sampled_from([64, 128]), page_size=st.sampled_from([16, 64]),
+    @given(seq_len=st.sampled_from([1, 17, 65] + ([] if hal_depth == "tiny" else [130])),
+           heads=st.sampled_from([(4, 1), (4, 2), (8, 8)]), head_dim=st.sampled_from([64, 128]), page_size=st.sampled_from([16, 64]),
            dtype=st.sampled_from(dtypes_of(hal_backend)), seed=st.integers(0, 2 ** 16))
     def check(seq_len, heads, head_dim, page_size, dtype, seed):
         run_check("attention_determinism", hal_backend, seq_len=seq_len, q_heads=heads[0], kv_heads=heads[1],

@@ -5,24 +5,21 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hal.conformance.kit import dtypes_of, out_features, run_check, widths
-from hal.conformance.runner import OP_OF, ROW_OPS
+from hal.conformance.kit import dtypes_of, fit_width, row_op_cases, run_check
+from hal.conformance.runner import OP_OF
 
-BATCHES = {"tiny": "1,2,7,16,17,33", "quick": "1,2,7,16,17,33,64,65,129", "full": "1,2,3,7,15,16,17,31,32,33,63,64,65,127,128,129,255,257,1000"}
+BATCHES = {"tiny": "1,2,7,16,17,33", "quick": "1,2,7,16,17,33,64,65,129",
+           "full": "1,2,3,7,15,16,17,31,32,33,63,64,65,127,128,129,255,257,1000"}
 
 
 @pytest.mark.hal(level=2)
 @pytest.mark.parametrize("op", sorted(set(OP_OF.values())))
 def test_row_op_batch_invariance(hal_backend, hal_depth, op):
-    variants = [v for v in ROW_OPS if OP_OF[v] == op]
-
-    @given(row_op=st.sampled_from(variants), width=widths(hal_depth), out=out_features(hal_depth),
-           dtype=st.sampled_from(dtypes_of(hal_backend)), seed=st.integers(0, 2 ** 16))
+    @given(**row_op_cases(hal_backend, hal_depth, op))
     def check(row_op, width, out, dtype, seed):
-        if row_op in ("silu_mul", "rotary") and width % 2:
-            width += 1
-        run_check("batch_invariance", hal_backend, row_op=row_op, width=width, out_features=out, dtype=dtype,
-                  seed=seed, batches=BATCHES[hal_depth])
+        run_check("batch_invariance", hal_backend, row_op=row_op, width=fit_width(row_op, width), out_features=out,
+                  dtype=dtype, seed=seed,
+                  batches=BATCHES[hal_depth])
 
     check()
 
