@@ -3,6 +3,9 @@
 #   bash bench/h200.sh STEP...     steps: tile kit-quick kit-full negative model bench (default: all)
 # Installs this checkout (and the carried stevedore wheel in .whl/) into /tmp/site, then runs
 # from outside the checkout so that the installed package (with hal.backends.cuda) is imported.
+# The GPU image has no stevedore and no registry access; fetch its wheel here first:
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl stevedore==5.10.0
+# and pass carry=[".whl"] to the device tool.
 # Results go to $OUT (JSON + logs); commit them under bench/results/ with the command used.
 #   KIT_EXAMPLES   hypothesis examples per kit test for kit-quick and negative (default 8)
 #   BENCH_ARGS     extra arguments of bench_cuda.py (e.g. --quick)
