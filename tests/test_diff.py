@@ -15,13 +15,7 @@ from hal.model import OpTrace
 SMALL = dict(num_requests=3, prompt_len=(3, 8), max_new_tokens=5)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny shapes: OpenMP threads cost more than they save (see test_rollout.py)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.mark.parametrize("scenario", ["train-vs-rollout", "rollout-vs-rollout", "train-vs-train"])

@@ -25,15 +25,7 @@ from hal.model.autograd import PackedLayout
 REF = ReferenceBackend(load_contract())
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny shapes: OpenMP threads cost more than they save here, and stall when the CPU is shared
-    (measured: 0.1 s vs 5 s for the stock-backend test on a busy 2-core machine). Bits do not depend
-    on it: the reference backend is thread-count invariant by construction."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def random_sequences(seed: int, lengths=(13, 7, 20), vocab: int = 128) -> list[list[int]]:

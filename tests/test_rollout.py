@@ -25,15 +25,7 @@ from hal.rollout import HarnessConfig, Request, RolloutHarness, gumbel_noise, re
 REF = ReferenceBackend(load_contract())
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny shapes: OpenMP threads cost more than they save here, and stall when the CPU is shared
-    (measured: 0.1 s vs 5 s for the stock-backend test on a busy 2-core machine). Bits do not depend
-    on it: the reference backend is thread-count invariant by construction."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 SCHEDULES = [
     # small pages, a pool too small for all requests at once, random preemption, short chunks
