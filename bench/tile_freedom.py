@@ -20,7 +20,7 @@ import torch
 from triton.runtime.errors import OutOfResources
 
 from hal.api import create_backend
-from hal.conformance.checks import AttentionCase, random_tensor
+from hal.conformance.checks import random_tensor
 from hal.kvcache import PageAllocator, PagedKVCache, build_metadata, pages_needed, slot_mapping
 
 

@@ -242,7 +242,7 @@ def validate(recipe: Recipe, source: str = "recipe") -> None:
         return RecipeError(f"{source}: {key} = {value!r}: {fix}")
 
     if recipe.engine not in ENGINES:
-        raise bad("engine", recipe.engine, f"unknown rollout engine; use `engine: harness`")
+        raise bad("engine", recipe.engine, "unknown rollout engine; use `engine: harness`")
     if recipe.engine == "vllm":
         raise bad("engine", "vllm", "the vLLM engine is not available in this version of hal (its plugin "
                   "is not implemented yet); use `engine: harness`, the built-in rollout harness")
