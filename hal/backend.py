@@ -190,13 +190,15 @@ class Backend(abc.ABC):
         backend overrides it only for speed.
         """
         self.check_dtype("write_kv", k, v, k_cache, v_cache)
-        if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-            raise UnsupportedError(f"{self.name}.write_kv: the caches must be contiguous (writes go through a "
-                                   f"flat view)")
+        if slot_mapping.shape[0] != k.shape[0]:
+            raise UnsupportedError(f"{self.name}.write_kv: {k.shape[0]} tokens but {slot_mapping.shape[0]} slots")
         keep = slot_mapping >= 0
         slots = slot_mapping[keep].long()
-        k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep]
-        v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep]
+        page_size = k_cache.shape[1]
+        # (page, row) indexing writes through any strides: the caches may be views into an engine's
+        # own buffer (vLLM's CPU cache keeps K and V side by side per head).
+        k_cache[slots // page_size, slots % page_size] = k[keep]
+        v_cache[slots // page_size, slots % page_size] = v[keep]
 
     @abc.abstractmethod
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,

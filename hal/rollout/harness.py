@@ -57,6 +57,7 @@ class Completion:
     logprobs: torch.Tensor          # (len(tokens),) fp32, on the CPU
     finish_reason: str              # "length" or "stop"
     preemptions: int = 0
+    prompt_logprobs: torch.Tensor | None = None   # (len(prompt) - 1,) fp32, when an engine was asked for them
 
     @property
     def prompt(self) -> list[int]:

@@ -1,0 +1,84 @@
+"""What a vLLM engine binds: a HAL backend name and contract, and the check that both sides agree.
+
+This module imports no vLLM: the trainer uses it to refuse comparing or training across a
+mismatch, and the plugin uses it to decide (once, in the process that builds the engine's config)
+what every engine process must bind.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from typing import Any, Mapping
+
+from hal.api import resolve_backend_name
+from hal.backend import Backend
+from hal.contract import load_contract
+from hal.errors import ContractMismatchError, HalError
+from hal.registry import backend_class
+
+#: the ``quantization=`` name of the plugin (and the ``quant_method`` of an HF quantization_config)
+QUANT_METHOD = "hal"
+
+#: keys accepted in ``hf_overrides={"quantization_config": {"quant_method": "hal", ...}}``
+OPTION_KEYS = ("quant_method", "backend", "contract")
+
+
+@dataclass(frozen=True)
+class EngineBinding:
+    """The HAL backend and contract an engine routes its ops through.
+
+    ``contract`` and ``fingerprint`` are None for a baseline backend (``torch``), which claims nothing.
+    """
+
+    backend: str
+    contract: str | None
+    fingerprint: str | None
+
+    def describe(self) -> str:
+        if self.fingerprint is None:
+            return f"backend {self.backend!r} (no contract)"
+        return f"backend {self.backend!r}, contract {self.contract} (fingerprint {self.fingerprint[:16]})"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def resolve_binding(options: Mapping[str, Any] | None = None) -> EngineBinding:
+    """The binding for an engine: ``options`` (backend / contract) > ``HAL_BACKEND`` / ``HAL_CONTRACT``
+    > automatic selection, as everywhere in the HAL. Resolves names only (no backend is created here:
+    this runs in the front-end process, which must not initialise an accelerator)."""
+    options = dict(options or {})
+    unknown = sorted(set(options) - set(OPTION_KEYS))
+    if unknown:
+        raise HalError(f"hal vLLM plugin: unknown option(s) {unknown} in the quantization_config; "
+                       f"accepted: {list(OPTION_KEYS)}")
+    name, _ = resolve_backend_name(options.get("backend") or None)
+    cls = backend_class(name)
+    if not cls.contracts:
+        if options.get("contract"):
+            raise ContractMismatchError(f"backend {name!r} realises no contract; drop contract="
+                                        f"{options['contract']!r} or choose a contract backend")
+        return EngineBinding(name, None, None)
+    contract_name = options.get("contract") or os.environ.get("HAL_CONTRACT", "").strip() or cls.contracts[0]
+    contract = load_contract(contract_name)
+    if contract.name not in cls.contracts:
+        raise ContractMismatchError(f"backend {name!r} does not realise contract {contract.name!r}; it "
+                                    f"realises: {', '.join(cls.contracts)}")
+    return EngineBinding(name, contract.name, contract.fingerprint)
+
+
+def binding_of(backend: Backend) -> EngineBinding:
+    """The binding a trainer-side backend instance represents."""
+    return EngineBinding(backend.name, backend.contract.name if backend.contract is not None else None,
+                         backend.fingerprint)
+
+
+def require_same_binding(engine: EngineBinding, trainer: Backend) -> None:
+    """Refuse to compare or train across engine and trainer bound to different backends or contracts."""
+    mine = binding_of(trainer)
+    if engine.fingerprint != mine.fingerprint or engine.backend != mine.backend:
+        raise ContractMismatchError(
+            f"engine/trainer mismatch: the vLLM engine bound {engine.describe()}, the trainer runs "
+            f"{mine.describe()}. Their logprobs are not comparable bit for bit; bind both sides to the "
+            f"same backend and contract (recipe `backend:` / HAL_BACKEND, HAL_CONTRACT).")

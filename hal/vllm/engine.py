@@ -1,0 +1,182 @@
+"""``VllmEngine``: vLLM as the RL rollout engine, HAL-bound or stock, with checked in-place weight sync.
+
+    engine = VllmEngine(checkpoint_dir, binding=resolve_binding({"backend": "reference"}), dtype="bfloat16")
+    completions = engine.generate([Request(prompt=(1, 2, 3), max_new_tokens=16, seed=0)])
+    engine.sync_weights(model)           # after the optimizer step: in place, then verified
+    engine.close()
+
+It speaks the built-in harness's types (``hal.rollout.Request`` / ``Completion``), so the RL
+runner can drive either engine. Sampled-token logprobs are vLLM's raw logprobs (temperature 1),
+which is what the harness reports for temperatures 1 and 0 (greedy); other temperatures are refused.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from hal.errors import HalError, UnsupportedError
+from hal.model.checkpoint import hf_slices
+from hal.model.model import DecoderLM
+from hal.rollout.harness import Completion, Request
+from hal.vllm.binding import QUANT_METHOD, EngineBinding
+from hal.vllm.worker import tensor_digest
+
+log = logging.getLogger(__name__)
+
+
+class WeightSyncError(HalError):
+    """After a weight sync the engine's weights are not the trainer's, or were not updated in place."""
+
+
+def configure_environment(workspace: str | os.PathLike) -> None:
+    """vLLM's files (compile caches, temporary files) inside ``workspace``, a 1 GiB CPU KV cache, no usage
+    stats, no CPU-core pinning (a trainer shares the process). Only sets what the caller has not set;
+    must run before vLLM is imported to take effect everywhere."""
+    root = Path(workspace).resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    defaults = {"VLLM_CACHE_ROOT": root / "vllm", "TORCHINDUCTOR_CACHE_DIR": root / "inductor",
+                "TRITON_CACHE_DIR": root / "triton", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1",
+                "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    for key, value in defaults.items():
+        os.environ.setdefault(key, str(value))
+
+
+class VllmEngine:
+    """One vLLM ``LLM`` over a local HF checkpoint directory.
+
+    ``binding``: the HAL backend + contract the engine routes through (``hal.vllm.binding.resolve_binding``),
+    or None for stock vLLM kernels (the baseline). ``multiprocess``: run the engine core in its own
+    process (vLLM's default on GPUs) instead of in this one.
+    """
+
+    def __init__(self, model_dir: str | os.PathLike, *, binding: EngineBinding | None, dtype: str,
+                 max_model_len: int = 512, max_num_seqs: int = 16, max_num_batched_tokens: int = 512,
+                 seed: int = 0, multiprocess: bool = False):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
+        from vllm import LLM
+
+        self.binding = binding
+        self.model_dir = Path(model_dir)
+        kwargs = {}
+        if binding is not None:
+            kwargs["hf_overrides"] = {"quantization_config": {"quant_method": QUANT_METHOD, "backend": binding.backend,
+                                                              **({"contract": binding.contract} if binding.contract else {})}}
+            kwargs["quantization"] = QUANT_METHOD
+        self.llm = LLM(model=str(self.model_dir), skip_tokenizer_init=True, dtype=dtype, enforce_eager=True,
+                       max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                       max_num_batched_tokens=max(max_num_batched_tokens, max_model_len), seed=seed,
+                       worker_extension_cls="hal.vllm.worker.HalWorkerExtension", **kwargs)
+        self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
+        self._check_binding()
+
+    # -- identity -------------------------------------------------------------------------------
+
+    def reported_binding(self) -> EngineBinding | None:
+        """What every worker's model actually bound (walked module by module); None for stock vLLM.
+        Raises if workers disagree or a routed-kind module does not call the HAL."""
+        reports = self.llm.collective_rpc("hal_binding")
+        found = {tuple(sorted(b.items())) for r in reports for b in r["bindings"]}
+        unrouted = [u for r in reports for u in r["unrouted"]]
+        if not found:
+            return None
+        if len(found) > 1 or unrouted:
+            raise HalError(f"vLLM engine: inconsistent HAL binding across workers/modules: bindings "
+                           f"{[dict(b) for b in found]}, modules not calling the HAL: {unrouted[:8]}")
+        return EngineBinding(**dict(found.pop()))
+
+    def worker_pids(self) -> list[int]:
+        """Process ids of the engine's workers (this process's id when the engine runs in-process)."""
+        return [r["pid"] for r in self.llm.collective_rpc("hal_binding")]
+
+    def _check_binding(self) -> None:
+        reported = self.reported_binding()
+        if reported != self.binding:
+            raise HalError(f"vLLM engine: asked for {self.binding.describe() if self.binding else 'stock kernels'}, "
+                           f"the workers report {reported.describe() if reported else 'stock kernels'}")
+
+    # -- rollout --------------------------------------------------------------------------------
+
+    def generate(self, requests: Sequence[Request], *, prompt_logprobs: bool = False) -> list[Completion]:
+        """Completions in request order, each with its sampled tokens' fp32 logprobs (and, with
+        ``prompt_logprobs``, ``completion.prompt_logprobs``: logprobs of prompt tokens 1..)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = []
+        for i, r in enumerate(requests):
+            if r.temperature not in (0.0, 1.0):
+                raise UnsupportedError(f"vLLM engine: request {i} has temperature {r.temperature}; only 1.0 and 0 "
+                                       f"(greedy) are supported, whose logprobs are vLLM's raw (temperature-1) ones")
+            bad = [t for t in r.prompt if not 0 <= t < self.vocab_size]
+            if not r.prompt or bad:
+                raise HalError(f"request {i}: empty prompt or token ids {bad[:5]} outside 0..{self.vocab_size - 1}")
+            params.append(SamplingParams(max_tokens=r.max_new_tokens, temperature=r.temperature, seed=r.seed,
+                                         logprobs=0, prompt_logprobs=0 if prompt_logprobs else None,
+                                         stop_token_ids=list(r.stop_token_ids), ignore_eos=True,
+                                         detokenize=False))
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(r.prompt)) for r in requests], params,
+                                    use_tqdm=False)
+        completions = []
+        for r, out in zip(requests, outputs):
+            sample = out.outputs[0]
+            tokens = list(sample.token_ids)
+            logprobs = torch.tensor([lp[t].logprob for t, lp in zip(tokens, sample.logprobs)], dtype=torch.float32)
+            reason = "stop" if sample.finish_reason == "stop" else "length"
+            completion = Completion(request=r, tokens=tokens, logprobs=logprobs, finish_reason=reason)
+            if prompt_logprobs:
+                completion.prompt_logprobs = torch.tensor(
+                    [out.prompt_logprobs[j][r.prompt[j]].logprob for j in range(1, len(r.prompt))], dtype=torch.float32)
+            completions.append(completion)
+        return completions
+
+    # -- weight sync ----------------------------------------------------------------------------
+
+    def _digests(self, rows: dict[str, int]) -> dict[str, tuple[str, int]]:
+        reports = self.llm.collective_rpc("hal_weights_digest", kwargs={"rows": rows})
+        if len(reports) != 1:
+            raise UnsupportedError(f"vLLM engine: weight sync is checked for one worker, found {len(reports)}")
+        return {name: (digest, ptr) for name, (digest, ptr) in reports[0].items()}
+
+    def sync_weights(self, model: DecoderLM) -> str:
+        """Copy ``model``'s weights into the engine's own buffers (vLLM's in-place ``reload_weights``), then
+        check every parameter: same storage as before, and bytes equal to the trainer's. Returns the
+        sha256 over all parameters (name order) that both sides now hold."""
+        trainer = dict(model.named_parameters())
+        rows = {name: p.shape[0] for name, p in trainer.items()}    # vLLM pads vocabulary rows to 64
+        before = self._digests(rows)
+        weights = [(name, param[rows].detach()) for name, (param, rows) in hf_slices(model).items()]
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self.llm.reset_prefix_cache()       # cached K/V were computed with the old weights
+        after = self._digests(rows)
+        problems = []
+        if set(after) != set(trainer):
+            problems.append(f"parameter names differ: engine-only {sorted(set(after) - set(trainer))[:4]}, "
+                            f"trainer-only {sorted(set(trainer) - set(after))[:4]}")
+        for name in sorted(set(after) & set(trainer)):
+            if after[name][1] != before[name][1]:
+                problems.append(f"{name}: not updated in place (new storage)")
+            if after[name][0] != tensor_digest(trainer[name]):
+                problems.append(f"{name}: engine bytes differ from the trainer's")
+        if problems:
+            raise WeightSyncError("vLLM weight sync failed: " + "; ".join(problems[:6]))
+        return _combined_digest(after)
+
+    def close(self) -> None:
+        """Shut the engine down and free its KV cache (several engines can then run one after another)."""
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+            gc.collect()
+
+
+def _combined_digest(digests: dict[str, tuple[str, int]]) -> str:
+    import hashlib
+
+    return hashlib.sha256("".join(digests[n][0] for n in sorted(digests)).encode()).hexdigest()

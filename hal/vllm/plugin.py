@@ -1,0 +1,430 @@
+"""The vLLM side of the HAL: every numerically relevant op of the engine routed through one HAL backend.
+
+Imported only by ``hal.vllm.register()`` (vLLM's general-plugin hook), so it may import vLLM at
+module level; classes live at module level because vLLM's multi-process mode pickles them.
+
+An engine is *HAL-bound* when its config selects the quantization method ``hal``
+(``LLM(..., quantization="hal")``, or an HF ``quantization_config`` with ``quant_method: hal``
+whose ``backend`` / ``contract`` keys choose explicitly). Everything below checks that, per engine,
+when it is built; an engine that is not HAL-bound runs vLLM's stock kernels unchanged, so installing
+the package changes nothing for other engines.
+
+What a HAL-bound engine routes (the same ops ``hal.model.DecoderLM`` calls on the trainer side):
+
+====================  ==========================================  =================================
+vLLM component        how it is replaced                          HAL op
+====================  ==========================================  =================================
+every LinearBase      ``HalConfig.get_quant_method``              ``linear`` (+ bias)
+ParallelLMHead        ``HalConfig.get_quant_method``              ``linear(out_dtype=float32)``
+RMSNorm               ``CustomOp.register_oot``                   ``rms_norm`` (+ fused residual)
+SiluAndMul            ``CustomOp.register_oot``                   ``silu_mul``
+RotaryEmbedding       ``CustomOp.register_oot``                   ``rotary`` (``hal.rope`` table)
+CPU attention         attention registry, member ``CPU_ATTN``     ``write_kv`` + ``attention``
+Sampler logprobs      ``Sampler.compute_logprobs`` of its engine  ``log_softmax`` (fp32 logits)
+====================  ==========================================  =================================
+
+Anything else of these op families (other RoPE variants, other norms and activations, MoE layers,
+sliding windows, soft-caps, fp8 KV caches, torch.compile) makes a HAL-bound engine refuse to start
+with ``UnsupportedError``: it never falls back to a stock kernel silently.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import torch
+
+from vllm.config import get_current_vllm_config
+from vllm.model_executor.custom_op import CustomOp, op_registry_oot
+from vllm.model_executor.layers import activation as vllm_activation
+from vllm.model_executor.layers import layernorm as vllm_layernorm
+from vllm.model_executor.layers.activation import SiluAndMul
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+from vllm.model_executor.layers.quantization import register_quantization_config
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
+from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding, RotaryEmbeddingBase
+from vllm.model_executor.layers.vocab_parallel_embedding import (
+    ParallelLMHead, UnquantizedEmbeddingMethod, VocabParallelEmbedding)
+from vllm.v1.attention.backend import AttentionType
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
+from vllm.v1.sample.sampler import Sampler
+
+from hal.api import create_backend
+from hal.backend import AttentionMetadata, Backend
+from hal.errors import ContractMismatchError, UnsupportedError
+from hal.rope import cos_sin_cache
+from hal.vllm.binding import QUANT_METHOD, EngineBinding, resolve_binding
+
+log = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------------------------------
+# The engine's binding: chosen in the front end, created once per engine process.
+# ---------------------------------------------------------------------------------------------
+
+class HalConfig(QuantizationConfig):
+    """vLLM's handle on the HAL: the binding (resolved where vLLM builds its config, i.e. in the front
+    end) and, lazily in each engine process, the backend instance every routed op calls."""
+
+    def __init__(self, options: dict[str, Any] | None = None):
+        super().__init__()
+        self.binding: EngineBinding = resolve_binding(options)
+        self._backend: Backend | None = None
+        self._lock = threading.Lock()
+
+    def __getstate__(self):               # pickled to engine processes: the backend is made there
+        state = self.__dict__.copy()
+        state["_backend"], state["_lock"] = None, None
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"HalConfig({self.binding.describe()})"
+
+    # -- vLLM's QuantizationConfig interface ----------------------------------------------------
+
+    def get_name(self) -> str:
+        return QUANT_METHOD
+
+    def get_supported_act_dtypes(self) -> list[torch.dtype]:
+        return [torch.bfloat16, torch.float32]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return 0
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return []                          # nothing to read: vLLM builds it from the options alone
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "HalConfig":
+        return cls(config)
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str):
+        _refuse_compilation()
+        if isinstance(layer, ParallelLMHead):
+            return HalLMHeadMethod(self)
+        if isinstance(layer, VocabParallelEmbedding):
+            return UnquantizedEmbeddingMethod()    # an exact gather (F.embedding), as in the trainer
+        if isinstance(layer, LinearBase):
+            return HalLinearMethod(self)
+        if type(layer).__name__ == "Attention":
+            return None                            # no KV-cache quantization; attention: see below
+        raise UnsupportedError(f"hal vLLM plugin: layer {prefix!r} ({type(layer).__name__}) has no HAL route; "
+                               f"a HAL-bound engine refuses to run it with a stock kernel")
+
+    # -- the backend ----------------------------------------------------------------------------
+
+    def backend(self) -> Backend:
+        """The backend instance of this engine process (created on first use, then reused)."""
+        if self._backend is None:
+            with self._lock:
+                if self._backend is None:
+                    self._backend = self._create_backend()
+        return self._backend
+
+    def _create_backend(self) -> Backend:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        backend = create_backend(self.binding.backend, self.binding.contract, device)
+        if backend.fingerprint != self.binding.fingerprint:
+            raise ContractMismatchError(
+                f"hal vLLM plugin: the engine was configured for {self.binding.describe()}, but this process "
+                f"binds backend {backend.name!r} with fingerprint {backend.fingerprint} (different hal "
+                f"versions or contract files in the front end and the engine process?)")
+        log.info("hal vLLM plugin: engine process bound %s", self.binding.describe())
+        return backend
+
+
+def bound_config() -> HalConfig | None:
+    """The HalConfig of the engine being built now, or None when it is not HAL-bound."""
+    config = get_current_vllm_config()
+    quant = getattr(config, "quant_config", None)
+    return quant if isinstance(quant, HalConfig) else None
+
+
+def _refuse_compilation() -> None:
+    config = get_current_vllm_config()
+    model_config = getattr(config, "model_config", None)
+    if model_config is not None and not model_config.enforce_eager:
+        raise UnsupportedError("hal vLLM plugin: HAL ops are not torch.compile / CUDA-graph traceable yet; "
+                               "start the engine with enforce_eager=True")
+
+
+# ---------------------------------------------------------------------------------------------
+# GEMMs: every linear layer and the lm_head.
+# ---------------------------------------------------------------------------------------------
+
+class HalLinearMethod(UnquantizedLinearMethod):
+    """Creates vLLM's plain (N, K) weight and runs ``backend.linear``; keeps the weight as loaded
+    (the stock CPU method repacks it for oneDNN and empties ``layer.weight``)."""
+
+    def __init__(self, config: HalConfig):
+        super().__init__()
+        self.config = config
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        return None
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return self.config.backend().linear(x, layer.weight, bias)
+
+
+class HalLMHeadMethod(UnquantizedEmbeddingMethod):
+    """The lm_head: fp32 logits straight out of the GEMM, as the trainer's ``DecoderLM`` computes them."""
+
+    def __init__(self, config: HalConfig):
+        super().__init__()
+        self.config = config
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        return None
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return self.config.backend().linear(x, layer.weight, bias, out_dtype=torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Row and pointwise ops (CustomOp out-of-tree replacements, chosen per engine at construction).
+# ---------------------------------------------------------------------------------------------
+
+class HalRMSNorm(RMSNorm):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.hal = bound_config()
+        if self.hal is not None and (self.variance_size_override is not None or not self.has_weight):
+            raise UnsupportedError("hal vLLM plugin: RMSNorm with var_hidden_size or without a weight has no "
+                                   "HAL route")
+
+    def _hal_forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        backend = self.hal.backend()
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if residual is None:
+            return backend.rms_norm(x2, self.weight.data, self.variance_epsilon).view(shape)
+        out, new_residual = backend.rms_norm(x2, self.weight.data, self.variance_epsilon,
+                                             residual.reshape(-1, shape[-1]))
+        return out.view(shape), new_residual.view(shape)
+
+    def forward_native(self, x, residual=None):
+        return self._hal_forward(x, residual) if self.hal else super().forward_native(x, residual)
+
+    def forward_cpu(self, x, residual=None):
+        return self._hal_forward(x, residual) if self.hal else super().forward_cpu(x, residual)
+
+    def forward_cuda(self, x, residual=None):
+        return self._hal_forward(x, residual) if self.hal else super().forward_cuda(x, residual)
+
+
+class HalSiluAndMul(SiluAndMul):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.hal = bound_config()
+
+    def forward_native(self, x):
+        return self.hal.backend().silu_mul(x) if self.hal else SiluAndMul.forward_native(x)
+
+    def forward_cpu(self, x):
+        return self.hal.backend().silu_mul(x) if self.hal else super().forward_cpu(x)
+
+    def forward_cuda(self, x):
+        return self.hal.backend().silu_mul(x) if self.hal else super().forward_cuda(x)
+
+
+class HalRotaryEmbedding(RotaryEmbedding):
+    """Neox RoPE with ``hal.rope``'s table (the trainer's), not vLLM's torch-computed cos/sin cache."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.hal = bound_config()
+        if self.hal is not None:
+            if not self.is_neox_style:
+                raise UnsupportedError("hal vLLM plugin: only neox-style rotary embeddings have a HAL route")
+            self.hal_table = cos_sin_cache(self.rotary_dim, self.max_position_embeddings, self.base)
+
+    def _hal_forward(self, positions, query, key):
+        if key is None:
+            raise UnsupportedError("hal vLLM plugin: rotary embedding without keys has no HAL route")
+        positions = positions.flatten()
+        t = positions.shape[0]
+        backend = self.hal.backend()
+        table = self.hal_table.to(query.device)
+        q, k = backend.rotary(positions, query.reshape(t, -1, self.head_size), key.reshape(t, -1, self.head_size),
+                              table)
+        return q.reshape(query.shape), k.reshape(key.shape)
+
+    def forward_native(self, positions, query, key=None):
+        return self._hal_forward(positions, query, key) if self.hal else super().forward_native(positions, query, key)
+
+    def forward_cpu(self, positions, query, key=None):
+        return self._hal_forward(positions, query, key) if self.hal else super().forward_cpu(positions, query, key)
+
+    def forward_cuda(self, positions, query, key=None):
+        return self._hal_forward(positions, query, key) if self.hal else super().forward_cuda(positions, query, key)
+
+
+def _refusing(cls: type) -> type:
+    """A same-named subclass of an op the HAL does not route: constructing it in a HAL-bound engine
+    raises, anywhere else it is the stock op."""
+
+    def __init__(self, *args, **kwargs):
+        if bound_config() is not None:
+            raise UnsupportedError(f"hal vLLM plugin: this model uses {cls.__module__}.{cls.__name__}, which has "
+                                   f"no HAL route; a HAL-bound engine refuses it rather than run a stock kernel")
+        cls.__init__(self, *args, **kwargs)
+
+    return type(cls.__name__, (cls,), {"__init__": __init__, "__module__": __name__,
+                                       "__qualname__": f"refusing_{cls.__name__}"})
+
+
+def _unrouted_ops() -> list[type]:
+    """Every in-tree op of the families the HAL routes (norms, activations, RoPE) that it does not route."""
+    import vllm.model_executor.layers.rotary_embedding  # noqa: F401  (imports every RoPE variant)
+
+    def subclasses(base):
+        out, todo = [], [base]
+        while todo:
+            for sub in todo.pop().__subclasses__():
+                out.append(sub)
+                todo.append(sub)
+        return out
+
+    found = [c for c in subclasses(RotaryEmbeddingBase) if c.__module__.startswith("vllm.")]
+    for module in (vllm_layernorm, vllm_activation):
+        found += [c for c in vars(module).values()
+                  if isinstance(c, type) and issubclass(c, CustomOp) and c.__module__ == module.__name__]
+    routed = {"RMSNorm", "SiluAndMul", "RotaryEmbedding", "CustomOp"}
+    return [c for c in dict.fromkeys(found) if c.__name__ not in routed]
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention on the CPU platform (which always picks the CPU_ATTN member).
+# ---------------------------------------------------------------------------------------------
+
+def _hal_cache_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's CPU cache (pages, Hkv, P, 2D), K and V side by side in the last dim, as the HAL's
+    (pages, P, Hkv, D) K and V views (strided; no copy)."""
+    d = kv_cache.shape[-1] // 2
+    return kv_cache[..., :d].transpose(1, 2), kv_cache[..., d:].transpose(1, 2)
+
+
+class HalCpuAttentionImpl(CPUAttentionBackendImpl):
+    def __init__(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
+                 logits_soft_cap=None, attn_type=AttentionType.DECODER, kv_sharing_target_layer_name=None,
+                 sinks=None):
+        super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
+                         logits_soft_cap, attn_type, kv_sharing_target_layer_name, sinks)
+        self.hal = bound_config()
+        if self.hal is None:
+            return
+        refused = {"ALiBi": alibi_slopes is not None, "a sliding window": sliding_window is not None,
+                   "a logits soft-cap": bool(logits_soft_cap), "attention sinks": sinks is not None,
+                   f"attention type {attn_type}": attn_type != AttentionType.DECODER,
+                   f"KV cache dtype {kv_cache_dtype}": kv_cache_dtype != "auto",
+                   "KV sharing": kv_sharing_target_layer_name is not None}
+        if any(refused.values()):
+            raise UnsupportedError(f"hal vLLM plugin: attention with {', '.join(k for k, v in refused.items() if v)} "
+                                   f"has no HAL route")
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        if self.hal is None:
+            return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+        n = slot_mapping.shape[0]
+        k_cache, v_cache = _hal_cache_views(kv_cache)
+        self.hal.backend().write_kv(key[:n], value[:n], k_cache, v_cache, slot_mapping)
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
+                output_block_scale=None):
+        if self.hal is None:
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
+                                   output_block_scale)
+        if attn_metadata is None:             # warm-up / profiling run
+            return output
+        if output_scale is not None or output_block_scale is not None or not attn_metadata.causal:
+            raise UnsupportedError("hal vLLM plugin: only causal attention without output quantization has a "
+                                   "HAL route")
+        n = attn_metadata.num_actual_tokens
+        b = attn_metadata.seq_lens.shape[0]
+        meta = AttentionMetadata(query_start_loc=attn_metadata.query_start_loc[:b + 1].to(torch.int32),
+                                 seq_lens=attn_metadata.seq_lens.to(torch.int32),
+                                 block_table=attn_metadata.block_table[:b].to(torch.int32))
+        k_cache, v_cache = _hal_cache_views(kv_cache)
+        out = self.hal.backend().attention(query[:n], k_cache, v_cache, meta, scale=self.scale)
+        output[:n].copy_(out.reshape(output[:n].shape))
+        return output
+
+
+class HalCpuAttentionBackend(CPUAttentionBackend):
+    """vLLM's CPU attention backend with the HAL implementation (stock for engines not HAL-bound)."""
+
+    @staticmethod
+    def get_impl_cls():
+        return HalCpuAttentionImpl
+
+
+# ---------------------------------------------------------------------------------------------
+# Logprobs of sampled and prompt tokens.
+# ---------------------------------------------------------------------------------------------
+
+_stock_sampler_init = Sampler.__init__
+
+
+def _sampler_init(self, *args, **kwargs):
+    """vLLM builds the Sampler inside its engine's config context: a HAL-bound engine's sampler computes
+    its (raw, fp32) logprobs with the backend's log_softmax; prompt logprobs go through it too."""
+    _stock_sampler_init(self, *args, **kwargs)
+    config = bound_config()
+    if config is not None:
+        self.compute_logprobs = lambda logits: config.backend().log_softmax(logits.float())
+
+
+# ---------------------------------------------------------------------------------------------
+# What a built model actually bound (read by hal.vllm.worker.HalWorkerExtension.hal_binding).
+# ---------------------------------------------------------------------------------------------
+
+def routed_binding(module: torch.nn.Module) -> tuple[str | None, EngineBinding | None]:
+    """(the routed kind of ``module`` or None, the binding its HAL route holds or None)."""
+    if isinstance(module, (LinearBase, ParallelLMHead)):
+        method = getattr(module, "quant_method", None)
+        config = getattr(method, "config", None) if isinstance(method, (HalLinearMethod, HalLMHeadMethod)) else None
+        return type(module).__name__, config.binding if config is not None else None
+    if isinstance(module, (RMSNorm, SiluAndMul, RotaryEmbedding)):
+        config = getattr(module, "hal", None)
+        return type(module).__name__, config.binding if config is not None else None
+    impl = getattr(module, "impl", None)
+    if impl is not None and type(module).__name__ == "Attention":
+        config = getattr(impl, "hal", None)
+        return f"Attention ({type(impl).__name__})", config.binding if config is not None else None
+    return None, None
+
+
+# ---------------------------------------------------------------------------------------------
+# Installation (idempotent: vLLM loads general plugins in every process, sometimes twice).
+# ---------------------------------------------------------------------------------------------
+
+_installed = False
+
+
+def install() -> None:
+    global _installed
+    if _installed:
+        return
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    register_quantization_config(QUANT_METHOD)(HalConfig)
+    for name, cls in (("RMSNorm", HalRMSNorm), ("SiluAndMul", HalSiluAndMul),
+                      ("RotaryEmbedding", HalRotaryEmbedding)):
+        if name not in op_registry_oot:
+            CustomOp.register_oot(cls, name=name)
+    for cls in _unrouted_ops():
+        if cls.__name__ not in op_registry_oot:
+            CustomOp.register_oot(_refusing(cls), name=cls.__name__)
+    register_backend(AttentionBackendEnum.CPU_ATTN, f"{__name__}.HalCpuAttentionBackend")
+    Sampler.__init__ = _sampler_init
+    _installed = True

