@@ -47,3 +47,8 @@ class UnsupportedError(HalError):
 
 class ContractMismatchError(HalError):
     """Two sides (engine and trainer, or a backend and a caller) bound different contracts."""
+
+
+class WeightSyncError(HalError):
+    """After a weight sync the rollout engine does not hold exactly the trainer's weights (or a sync that
+    must be in place allocated new buffers)."""

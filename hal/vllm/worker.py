@@ -47,9 +47,13 @@ class HalWorkerExtension:
                 "pid": os.getpid()}
 
     def hal_weights_digest(self, rows: dict[str, int] | None = None) -> dict:
-        """{vLLM parameter name: [sha256, data_ptr]} of the engine's weights; ``rows`` limits a parameter
-        to its first rows (vLLM pads the vocabulary of the embedding and lm_head to a multiple of 64)."""
+        """{vLLM parameter name: [sha256, data_ptr, shape]} of the engine's weights; ``rows`` limits a
+        parameter to its first rows (vLLM pads the vocabulary of the embedding and lm_head to a multiple
+        of 64). Stock CPU linears report an empty weight: vLLM repacked it for oneDNN."""
         rows = rows or {}
-        return {name: [tensor_digest(p[:rows.get(name, p.shape[0])]), p.data_ptr()]
-                for name, p in self._hal_model().named_parameters()}
+        out = {}
+        for name, p in self._hal_model().named_parameters():
+            view = p[:rows.get(name, p.shape[0])] if p.dim() else p
+            out[name] = [tensor_digest(view), p.data_ptr(), list(view.shape)]
+        return out
 

@@ -1,0 +1,106 @@
+"""The rollout engines a recipe can name (``engine: harness | vllm``), behind one small interface.
+
+Each engine generates completions for a step's requests and, after the optimizer step, takes the
+trainer's new weights (``sync``) and proves it holds them: it returns a digest of the weights *it*
+sees, which must equal the trainer's, or ``WeightSyncError`` is raised.
+
+* ``HarnessEngine``: the built-in harness holds the trainer's own ``DecoderLM`` object, so the sync is
+  in place by construction; checked by a sha256 of the object the harness holds.
+* ``VllmRolloutEngine``: vLLM over an HF checkpoint of the trainer's model written at the start;
+  HAL-bound to the trainer's backend and contract (checked: the engine reports what its workers
+  bound), or stock vLLM kernels when the trainer runs the ``torch`` baseline. Sync copies the weights
+  into vLLM's own buffers in place and verifies every parameter (``hal.vllm.engine``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from hal.backend import Backend
+from hal.errors import WeightSyncError
+from hal.model import DecoderLM
+from hal.rl.recipe import Recipe
+from hal.rollout import Completion, HarnessConfig, Request, RolloutHarness
+
+
+def weights_checksum(model: torch.nn.Module) -> str:
+    """sha256 over every parameter's name, dtype, shape and bytes (order of ``named_parameters``)."""
+    h = hashlib.sha256()
+    for name, p in model.named_parameters():
+        t = p.detach().to("cpu").contiguous()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+class HarnessEngine:
+    """The built-in rollout harness on the trainer's model object (a new schedule seed every step)."""
+
+    def __init__(self, model: DecoderLM, recipe: Recipe, schedule_seed):
+        self.model = model
+        self.spec = recipe.harness
+        self.schedule_seed = schedule_seed         # step -> the harness's scheduling seed
+
+    def describe(self) -> str:
+        return "harness"
+
+    def generate(self, requests: Sequence[Request], step: int) -> list[Completion]:
+        s = self.spec
+        harness = RolloutHarness(self.model, HarnessConfig(
+            page_size=s.page_size, max_num_seqs=s.max_num_seqs, max_batch_tokens=s.max_batch_tokens,
+            preempt_prob=s.preempt_prob, seed=self.schedule_seed(step)))
+        return harness.generate(requests)
+
+    def sync(self, model: DecoderLM) -> str:
+        if self.model is not model:
+            raise WeightSyncError("the harness does not hold the trainer's model object")
+        return weights_checksum(self.model)
+
+    def close(self) -> None:
+        pass
+
+
+class VllmRolloutEngine:
+    """vLLM (in this process) over ``run_dir/engine-model``, bound like the trainer's ``backend``."""
+
+    def __init__(self, model: DecoderLM, recipe: Recipe, backend: Backend, run_dir: Path):
+        from hal.model.checkpoint import save_pretrained
+        from hal.vllm.binding import require_same_binding, resolve_binding
+        from hal.vllm.engine import VllmEngine, configure_environment
+
+        # vLLM's INFO/WARNING lines would bury the progress lines (set VLLM_LOGGING_LEVEL to see them)
+        configure_environment(Path(recipe.output_dir) / "vllm-cache", log_level="ERROR")
+        baseline = backend.contract is None
+        binding = None if baseline else resolve_binding({"backend": backend.name, "contract": backend.contract.name})
+        path = save_pretrained(model, run_dir / "engine-model")
+        self.engine = VllmEngine(path, binding=binding, dtype=model.config.dtype, seed=recipe.seed,
+                                 max_model_len=recipe.task.prompt_len + recipe.max_tokens + 8,
+                                 max_num_seqs=recipe.prompts_per_step * recipe.samples_per_prompt)
+        reported = self.engine.reported_binding()
+        if baseline:
+            self.label = "vllm (stock kernels)"
+        else:
+            require_same_binding(reported, backend)    # refuses to compare across different contracts
+            self.label = f"vllm ({reported.describe()})"
+
+    def describe(self) -> str:
+        return self.label
+
+    def generate(self, requests: Sequence[Request], step: int) -> list[Completion]:
+        return self.engine.generate(requests)
+
+    def sync(self, model: DecoderLM) -> str:
+        return self.engine.sync_weights(model)
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def open_engine(recipe: Recipe, model: DecoderLM, backend: Backend, run_dir: Path, schedule_seed):
+    if recipe.engine == "vllm":
+        return VllmRolloutEngine(model, recipe, backend, run_dir)
+    return HarnessEngine(model, recipe, schedule_seed)
