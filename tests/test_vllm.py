@@ -200,3 +200,66 @@ def test_recipe_on_vllm_resumes_with_diff_zero(engines, tmp_path):
                          echo=None)["runs"]["reference"]
     assert [m["step"] for m in resumed] == [1, 2, 3]
     assert resumed[2]["resumed"] and resumed[2]["mismatches"] == 0 and resumed[2]["k3_kl"] == 0.0
+
+
+# -- refusals: a HAL-bound engine never runs a stock kernel in place of a routed one -------------
+
+@pytest.fixture
+def vllm_config_context():
+    """vLLM builds ops inside its engine's config context; a default config stands in for it here."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    from hal.vllm import register
+
+    register()                                  # what vLLM does when it loads plugins
+    with set_current_vllm_config(VllmConfig()):
+        yield
+
+
+@pytest.fixture
+def hal_bound(vllm_config_context, monkeypatch):
+    """Every op built from here on is built as in a HAL-bound engine."""
+    from hal.vllm import plugin
+
+    config = plugin.HalConfig({"backend": "reference"})
+    monkeypatch.setattr(plugin, "bound_config", lambda: config)
+    return config
+
+
+def test_routed_op_calls_the_backend_and_unrouted_ops_are_refused(hal_bound):
+    from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm
+    from vllm.model_executor.layers.rotary_embedding.llama3_rope import Llama3RotaryEmbedding
+
+    from hal.errors import UnsupportedError
+
+    norm = RMSNorm(64, eps=1e-6, dtype=torch.bfloat16)
+    assert type(norm).__name__ == "HalRMSNorm" and norm.hal is hal_bound
+    x = torch.randn(5, 64).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(64).to(torch.bfloat16))
+    assert torch.equal(norm.forward_native(x), hal_bound.backend().rms_norm(x, norm.weight.data, 1e-6))
+    with pytest.raises(UnsupportedError, match="GemmaRMSNorm, which has no HAL route"):
+        GemmaRMSNorm(64)
+    with pytest.raises(UnsupportedError, match="Llama3RotaryEmbedding, which has no HAL route"):
+        Llama3RotaryEmbedding(32, 32, 128, 10000.0, True, torch.float32, 8.0, 1.0, 4.0, 8192)
+    with pytest.raises(UnsupportedError, match="no HAL route"):
+        hal_bound.get_quant_method(torch.nn.Conv1d(2, 2, 1), "model.conv")
+
+
+def test_ops_of_an_engine_without_the_plugin_stay_stock(vllm_config_context):
+    from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm
+
+    assert RMSNorm(64).hal is None
+    GemmaRMSNorm(64)                            # the stock op, constructed as usual
+
+
+def test_compiled_engines_are_refused(hal_bound, monkeypatch):
+    from types import SimpleNamespace
+
+    from hal.errors import UnsupportedError
+    from hal.vllm import plugin
+
+    monkeypatch.setattr(plugin, "get_current_vllm_config",
+                        lambda: SimpleNamespace(model_config=SimpleNamespace(enforce_eager=False)))
+    with pytest.raises(UnsupportedError, match="enforce_eager=True"):
+        plugin._refuse_compilation()
