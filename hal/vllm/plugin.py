@@ -41,6 +41,7 @@ from vllm.model_executor.custom_op import CustomOp, op_registry_oot
 from vllm.model_executor.layers import activation as vllm_activation
 from vllm.model_executor.layers import layernorm as vllm_layernorm
 from vllm.model_executor.layers.activation import SiluAndMul
+from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
 from vllm.model_executor.layers.quantization import register_quantization_config
@@ -122,7 +123,7 @@ class HalConfig(QuantizationConfig):
             return UnquantizedEmbeddingMethod()    # an exact gather (F.embedding), as in the trainer
         if isinstance(layer, LinearBase):
             return HalLinearMethod(self)
-        if type(layer).__name__ == "Attention":
+        if isinstance(layer, Attention):
             return None                            # no KV-cache quantization; attention: see below
         raise UnsupportedError(f"hal vLLM plugin: layer {prefix!r} ({type(layer).__name__}) has no HAL route; "
                                f"a HAL-bound engine refuses to run it with a stock kernel")
@@ -404,8 +405,8 @@ def routed_binding(module: torch.nn.Module) -> tuple[str | None, EngineBinding |
     if isinstance(module, (RMSNorm, SiluAndMul, RotaryEmbedding)):
         config = getattr(module, "hal", None)
         return type(module).__name__, config.binding if config is not None else None
-    impl = getattr(module, "impl", None)
-    if impl is not None and type(module).__name__ == "Attention":
+    if isinstance(module, Attention):
+        impl = module.impl
         config = getattr(impl, "hal", None)
         return f"Attention ({type(impl).__name__})", config.binding if config is not None else None
     return None, None
