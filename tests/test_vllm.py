@@ -164,6 +164,23 @@ def test_unsupported_vllm_version_is_refused():
         check_vllm_version("0.33.0")
 
 
+def test_plugin_on_an_unsupported_vllm_refuses_quantization_hal():
+    """Loaded by a vLLM of another version, the plugin installs nothing but a `hal` method that raises,
+    so asking for the HAL fails loudly (a fresh process: vLLM has loaded no plugin there yet)."""
+    import subprocess
+    import sys
+
+    script = ("import vllm; vllm.__version__ = '0.99.0'\n"
+              "import hal.vllm; hal.vllm.register()\n"
+              "from vllm.model_executor.layers.quantization import get_quantization_config\n"
+              "from vllm.model_executor.custom_op import op_registry_oot\n"
+              "assert 'RMSNorm' not in op_registry_oot\n"
+              "try:\n    get_quantization_config('hal').from_config({})\n"
+              "except hal.vllm.VllmVersionError as e:\n    print('REFUSED', e)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert "REFUSED hal vLLM plugin: vLLM 0.99.0 is not supported" in done.stdout, done.stderr[-2000:]
+
+
 # -- the RL loop with vLLM as the engine (`hal run recipes/default.yaml`) --------------------------
 
 def _vllm_recipe(tmp_path, name, *overrides):
