@@ -98,6 +98,41 @@ def test_attention_across_kv_chunks_and_splits(cuda, reference, page_size):
     assert torch.equal(outs[0], full[-40:])
 
 
+def test_attention_finds_each_tile_sequence_on_the_device(cuda, reference):
+    """No host metadata: each program finds its sequence in query_start_loc. 130 ragged sequences
+    (more than one 128-wide scan step), some without queries; a sequence's rows must be the same
+    alone as in the batch, in-kernel or with parallel splits."""
+    from hal.backends.cuda import attention
+    from hal.kvcache import build_metadata
+
+    g = torch.Generator().manual_seed(1)
+    n, page, heads, d = 130, 8, (2, 1), 64
+    seq_lens = torch.randint(1, 40, (n,), generator=g).tolist()
+    q_lens = [0 if b % 7 == 3 else min(s, 1 + b % 3) for b, s in enumerate(seq_lens)]
+    page_lists, at = [], 0
+    for s in seq_lens:
+        page_lists.append(list(range(at, at + -(-s // page))))
+        at += -(-s // page)
+    k = torch.randn(at, page, heads[1], d, generator=g).to(torch.bfloat16)
+    v = torch.randn(at, page, heads[1], d, generator=g).to(torch.bfloat16)
+    q = torch.randn(sum(q_lens), heads[0], d, generator=g).to(torch.bfloat16)
+    meta = build_metadata(q_lens, seq_lens, page_lists)
+    batch = cuda.attention(q, k, v, meta, scale=d ** -0.5)
+    # 16-key chunks and 32-key splits: several splits per sequence at these lengths
+    parallel = attention.paged_attention(q, k, v, meta.query_start_loc, meta.seq_lens, meta.block_table, d ** -0.5,
+                                         16, 32, split_parallel=True)
+    starts = meta.query_start_loc.tolist()
+    for b in (0, 1, 2, 64, 127, 128, 129):
+        alone = build_metadata([q_lens[b]], [seq_lens[b]], [page_lists[b]])
+        rows = slice(starts[b], starts[b + 1])
+        assert torch.equal(cuda.attention(q[rows], k, v, alone, scale=d ** -0.5), batch[rows]), b
+        serial = attention.paged_attention(q[rows], k, v, alone.query_start_loc, alone.seq_lens, alone.block_table,
+                                           d ** -0.5, 16, 32, split_parallel=False)
+        assert torch.equal(serial, parallel[rows]), b
+    ref = reference.attention(q, k, v, meta, scale=d ** -0.5)
+    assert bool(((batch.float() - ref.float()).abs() <= 2 ** -6 * (1 + ref.float().abs())).all())
+
+
 def test_conformance_kit_tiny_passes_on_cuda_under_the_interpreter(tmp_path):
     report = tmp_path / "cuda.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("HAL_")}

@@ -14,52 +14,88 @@ Reduction structure (contract [attention], read from ``kv_chunk`` and ``kv_split
   out = round_act(div_rn(A, L)).
 
 A program owns BLOCK_Q query tokens of one sequence times the GROUP query heads that share one KV
-head (rows = token x head). Which queries share a tile, and whether splits run in one program
-(``SPLIT_PARALLEL`` off: prefill) or in parallel programs merged by ``_merge_kernel`` (decode,
-few tiles), is chosen per call for speed; every row's bits are the same either way.
+head (rows = token x head). Free launch choices (every row's bits are the same either way):
+  * the query-tile size, warps and pipeline depth;
+  * whether a program walks all splits (``SPLIT_PARALLEL`` off: prefill; one flat loop over the
+    chunks that merges the split state into (M, L, A) after each split's last chunk, so the K/V
+    loads stream across split boundaries) or each split runs in its own program and
+    ``_merge_kernel`` merges them (decode: fills and balances the GPU at any batch);
+  * chunks that every row of the tile sees entirely (below the causal diagonal) skip the mask:
+    there the masked formulas reduce exactly to the unmasked ones (every key visible, every row
+    visits), so only the chunks that cross a row's position pay for masking.
+All metadata is read on the device (each program finds its sequence from ``query_start_loc``): no
+host synchronisation, so a call costs two launches at most and can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
 from hal.backends.cuda.common import INTERPRET, LAUNCH, next_power_of_2, round_to_bf16, to_activation, zero_scalar
 
+BLOCK_B = 128  # sequences scanned per step when a program looks for its sequence
+
 
 @triton.jit
-def _split_state(q, q_row_ok, positions, seq_len, split_start, split_end, b, kvh,
-                 k_cache_ptr, v_cache_ptr, block_table_ptr, stride_bt, stride_kp, stride_kr, stride_kh,
-                 scale_log2e, offs_d, page_size,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 IS_BF16: tl.constexpr, UPCAST: tl.constexpr):
-    """(m, l, acc) of one KV split for the rows of this tile, by the chunk recurrence above."""
-    m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
-    l = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
-    if IS_BF16 and not UPCAST:
-        ones = tl.full((BLOCK_N, 16), 1.0, dtype=tl.bfloat16)
+def _locate(index, query_start_ptr, num_seqs, BLOCK_Q: tl.constexpr, BLOCK_B: tl.constexpr):
+    """(b, first query of the tile) for tile ``index``: sequence b owns cdiv(q_len_b, BLOCK_Q)
+    consecutive tiles, sequences in order. Past the last tile, b = num_seqs."""
+    b = tl.sum(tl.zeros((1,), dtype=tl.int32), axis=0)
+    tiles_before = b
+    seq_first_tile = b
+    for s0 in range(0, num_seqs, BLOCK_B):
+        seqs = s0 + tl.arange(0, BLOCK_B)
+        ok = seqs < num_seqs
+        q_len = (tl.load(query_start_ptr + seqs + 1, mask=ok, other=0)
+                 - tl.load(query_start_ptr + seqs, mask=ok, other=0))
+        tiles = (q_len + BLOCK_Q - 1) // BLOCK_Q
+        ends = tiles_before + tl.cumsum(tiles, 0)  # one past each sequence's last tile
+        before = ok & (ends <= index)              # sequences entirely before this tile
+        b += tl.sum(before.to(tl.int32), axis=0)
+        seq_first_tile = tl.maximum(seq_first_tile, tl.max(tl.where(before, ends, 0), axis=0))
+        tiles_before += tl.sum(tiles, axis=0)
+    return b, (index - seq_first_tile) * BLOCK_Q
+
+
+@triton.jit
+def _chunk(q, m, l, acc, n0, b, kvh, positions, seq_len, q_row_ok, ones, k_cache_ptr, v_cache_ptr, block_table_ptr,
+           stride_bt, stride_kp, stride_kr, stride_kh, scale_log2e, offs_d,
+           PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IS_BF16: tl.constexpr, UPCAST: tl.constexpr,
+           MASKED: tl.constexpr):
+    """One KV chunk of the recurrence in the module docstring. MASKED=False only for chunks every
+    row of the tile sees entirely; the unmasked formulas are the masked ones with every key visible."""
+    keys = n0 + tl.arange(0, BLOCK_N)
+    if PAGE_SIZE % BLOCK_N == 0:  # the chunk lies in one page
+        page = tl.load(block_table_ptr + b * stride_bt + n0 // PAGE_SIZE).to(tl.int64)
+        kv_rows = page * stride_kp + (n0 % PAGE_SIZE + tl.arange(0, BLOCK_N)) * stride_kr
     else:
-        ones = tl.full((BLOCK_N, 16), 1.0, dtype=tl.float32)
-    last_key = tl.minimum(split_end, tl.max(tl.where(q_row_ok, positions, -1)) + 1)
-    for n0 in range(split_start, last_key, BLOCK_N):
-        keys = n0 + tl.arange(0, BLOCK_N)
+        if MASKED:
+            page = tl.load(block_table_ptr + b * stride_bt + keys // PAGE_SIZE, mask=keys < seq_len, other=0)
+        else:
+            page = tl.load(block_table_ptr + b * stride_bt + keys // PAGE_SIZE)
+        kv_rows = page.to(tl.int64) * stride_kp + (keys % PAGE_SIZE) * stride_kr
+    kv_off = kv_rows[:, None] + kvh * stride_kh + offs_d[None, :]
+    if MASKED:
         key_ok = keys < seq_len
-        page = tl.load(block_table_ptr + b * stride_bt + keys // page_size, mask=key_ok, other=0).to(tl.int64)
-        kv_off = page[:, None] * stride_kp + (keys % page_size)[:, None] * stride_kr + kvh * stride_kh + offs_d[None, :]
         k = tl.load(k_cache_ptr + kv_off, mask=key_ok[:, None], other=0.0)
         v = tl.load(v_cache_ptr + kv_off, mask=key_ok[:, None], other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        if IS_BF16 and not UPCAST:
-            s = tl.dot(q, tl.trans(k))
-        else:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        s = s * scale_log2e
+    else:
+        k = tl.load(k_cache_ptr + kv_off)
+        v = tl.load(v_cache_ptr + kv_off)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    if IS_BF16 and not UPCAST:
+        s = tl.dot(q, tl.trans(k))
+    else:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    s = s * scale_log2e
+    if MASKED:
         visible = (keys[None, :] <= positions[:, None]) & key_ok[None, :] & q_row_ok[:, None]
         s = tl.where(visible, s, float("-inf"))
         row_visits = tl.max(visible.to(tl.int32), axis=1) > 0
@@ -67,40 +103,68 @@ def _split_state(q, q_row_ok, positions, seq_len, split_start, split_end, b, kvh
         m_safe = tl.where(row_visits, m_new, 0.0)
         alpha = tl.exp2(m - m_safe)
         p = tl.where(visible, tl.exp2(s - m_safe[:, None]), 0.0)
-        if IS_BF16:
+    else:
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+    if IS_BF16:
+        if UPCAST:  # the interpreter's .to(bf16) truncates; keep fp32 operands holding bf16 values
             p = round_to_bf16(p)
-            if not UPCAST:
-                p = p.to(tl.bfloat16)
-        if IS_BF16 and not UPCAST:
-            row_sum = tl.max(tl.dot(p, ones), axis=1)
-            pv = tl.dot(p, v)
-        else:
-            row_sum = tl.max(tl.dot(p, ones, input_precision="ieee"), axis=1)
-            pv = tl.dot(p, v, input_precision="ieee")
-        l_new = l * alpha + row_sum
-        acc_new = acc * alpha[:, None] + pv
+        else:  # round-to-nearest-even, the same bits as round_to_bf16
+            p = p.to(tl.bfloat16)
+    if IS_BF16 and not UPCAST:
+        row_sum = tl.max(tl.dot(p, ones), axis=1)
+        pv = tl.dot(p, v)
+    else:
+        row_sum = tl.max(tl.dot(p, ones, input_precision="ieee"), axis=1)
+        pv = tl.dot(p, v, input_precision="ieee")
+    l_new = l * alpha + row_sum
+    acc_new = acc * alpha[:, None] + pv
+    if MASKED:
         m = tl.where(row_visits, m_new, m)
         l = tl.where(row_visits, l_new, l)
         acc = tl.where(row_visits[:, None], acc_new, acc)
+    else:
+        m = m_new
+        l = l_new
+        acc = acc_new
     return m, l, acc
 
 
 @triton.jit
-def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_a_ptr,
-                      tiles_ptr, query_start_ptr, seq_lens_ptr, block_table_ptr,
+def _merge(big_m, big_l, big_a, m, l, acc, merging):
+    """Fold one split's (m, l, acc) into (M, L, A) for the rows in ``merging``."""
+    m_merged = tl.maximum(big_m, m)
+    m_ref = tl.where(merging, m_merged, 0.0)
+    a = tl.exp2(big_m - m_ref)
+    bb = tl.exp2(m - m_ref)
+    l_merged = big_l * a + l * bb
+    a_merged = big_a * a[:, None] + acc * bb[:, None]
+    big_m = tl.where(merging, m_merged, big_m)
+    big_l = tl.where(merging, l_merged, big_l)
+    big_a = tl.where(merging[:, None], a_merged, big_a)
+    return big_m, big_l, big_a
+
+
+@triton.jit
+def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_a_ptr, part_pos_ptr,
+                      query_start_ptr, seq_lens_ptr, block_table_ptr, num_seqs, num_tiles,
                       stride_qt, stride_qh, stride_bt, stride_kp, stride_kr, stride_kh, stride_ot, stride_oh,
-                      num_q_heads, max_splits, scale_log2e, group, page_size, kv_split,
-                      GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
-                      SPLIT_PARALLEL: tl.constexpr, IS_BF16: tl.constexpr, UPCAST: tl.constexpr,
-                      BLOCK_N: tl.constexpr):
-    tile = tl.program_id(0)
+                      num_q_heads, max_splits, scale_log2e, group,
+                      PAGE_SIZE: tl.constexpr, KV_SPLIT: tl.constexpr, GROUP_PAD: tl.constexpr,
+                      BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT_PARALLEL: tl.constexpr,
+                      IS_BF16: tl.constexpr, UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr):
+    # Highest tile first: later tiles of a sequence see more keys, so the long ones start early.
+    tile = num_tiles - 1 - tl.program_id(0)
     kvh = tl.program_id(1)
-    b = tl.load(tiles_ptr + 2 * tile)
-    q_first = tl.load(tiles_ptr + 2 * tile + 1)
+    b, q_first = _locate(tile, query_start_ptr, num_seqs, BLOCK_Q, BLOCK_B)
+    tile_ok = b < num_seqs  # the grid is an upper bound on the number of tiles
+    b = tl.where(tile_ok, b, 0)
     q_begin = tl.load(query_start_ptr + b)
-    q_len = tl.load(query_start_ptr + b + 1) - q_begin
+    q_len = tl.where(tile_ok, tl.load(query_start_ptr + b + 1) - q_begin, 0)
     seq_len = tl.load(seq_lens_ptr + b)
 
+    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     rows = tl.arange(0, BLOCK_M)
     tok = q_first + rows // GROUP_PAD            # query index inside the sequence
     head_in_group = rows % GROUP_PAD
@@ -111,59 +175,84 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part
     offs_d = tl.arange(0, HEAD_DIM)
     q = tl.load(q_ptr + token.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=q_row_ok[:, None], other=0.0)
+    if IS_BF16 and not UPCAST:
+        ones = tl.full((BLOCK_N, 16), 1.0, dtype=tl.bfloat16)
+    else:
+        ones = tl.full((BLOCK_N, 16), 1.0, dtype=tl.float32)
     if UPCAST:
         q = q.to(tl.float32)
 
+    # Keys [lo, hi) are this program's; [lo, full_end) are visible to every row of the tile.
+    last_key = tl.max(tl.where(q_row_ok, positions, -1)) + 1
     if SPLIT_PARALLEL:
-        split = tl.program_id(2)
-        split_start = split * kv_split
-        m, l, acc = _split_state(q, q_row_ok, positions, seq_len, split_start, split_start + kv_split, b, kvh,
-                                 k_cache_ptr, v_cache_ptr, block_table_ptr, stride_bt, stride_kp, stride_kr,
-                                 stride_kh, scale_log2e, offs_d, page_size, BLOCK_M, BLOCK_N, HEAD_DIM, IS_BF16,
-                                 UPCAST)
-        store_ok = q_row_ok & (positions >= split_start)
-        part = (token.to(tl.int64) * num_q_heads + head) * max_splits + split
+        lo = tl.program_id(2) * KV_SPLIT
+        hi = tl.minimum(lo + KV_SPLIT, last_key)
+    else:
+        lo = 0
+        hi = last_key
+    first_position = seq_len - q_len + q_first
+    full_end = tl.maximum(lo, tl.minimum(hi, (first_position + 1) // BLOCK_N * BLOCK_N))
+
+    m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
+    big_m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    big_l = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    big_a = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
+    for n0 in range(lo, full_end, BLOCK_N):
+        m, l, acc = _chunk(q, m, l, acc, n0, b, kvh, positions, seq_len, q_row_ok, ones, k_cache_ptr, v_cache_ptr,
+                           block_table_ptr, stride_bt, stride_kp, stride_kr, stride_kh, scale_log2e, offs_d,
+                           PAGE_SIZE, BLOCK_N, IS_BF16, UPCAST, False)
+        if not SPLIT_PARALLEL:
+            if (n0 + BLOCK_N) % KV_SPLIT == 0:  # the split's last chunk
+                merging = q_row_ok & (positions >= n0 + BLOCK_N - KV_SPLIT)
+                big_m, big_l, big_a = _merge(big_m, big_l, big_a, m, l, acc, merging)
+                m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+                l = tl.zeros((BLOCK_M,), dtype=tl.float32)
+                acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
+    for n0 in range(full_end, hi, BLOCK_N):
+        m, l, acc = _chunk(q, m, l, acc, n0, b, kvh, positions, seq_len, q_row_ok, ones, k_cache_ptr, v_cache_ptr,
+                           block_table_ptr, stride_bt, stride_kp, stride_kr, stride_kh, scale_log2e, offs_d,
+                           PAGE_SIZE, BLOCK_N, IS_BF16, UPCAST, True)
+        if not SPLIT_PARALLEL:
+            if (n0 + BLOCK_N) % KV_SPLIT == 0:
+                merging = q_row_ok & (positions >= n0 + BLOCK_N - KV_SPLIT)
+                big_m, big_l, big_a = _merge(big_m, big_l, big_a, m, l, acc, merging)
+                m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+                l = tl.zeros((BLOCK_M,), dtype=tl.float32)
+                acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
+
+    if SPLIT_PARALLEL:
+        store_ok = q_row_ok & (positions >= lo)
+        part = (token.to(tl.int64) * num_q_heads + head) * max_splits + tl.program_id(2)
+        # The merge needs each token's position: one program and one row per token writes it.
+        writer = q_row_ok & (head_in_group + kvh + tl.program_id(2) == 0)
+        tl.store(part_pos_ptr + token, positions, mask=writer)
         tl.store(part_m_ptr + part, m, mask=store_ok)
         tl.store(part_l_ptr + part, l, mask=store_ok)
         tl.store(part_a_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=store_ok[:, None])
     else:
-        big_m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
-        big_l = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        big_a = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
-        last_key = tl.max(tl.where(q_row_ok, positions, -1)) + 1
-        for split_start in range(0, last_key, kv_split):
-            m, l, acc = _split_state(q, q_row_ok, positions, seq_len, split_start, split_start + kv_split, b, kvh,
-                                     k_cache_ptr, v_cache_ptr, block_table_ptr, stride_bt, stride_kp, stride_kr,
-                                     stride_kh, scale_log2e, offs_d, page_size, BLOCK_M, BLOCK_N, HEAD_DIM,
-                                     IS_BF16, UPCAST)
-            merging = q_row_ok & (positions >= split_start)
-            m_merged = tl.maximum(big_m, m)
-            m_ref = tl.where(merging, m_merged, 0.0)
-            a = tl.exp2(big_m - m_ref)
-            bb = tl.exp2(m - m_ref)
-            l_merged = big_l * a + l * bb
-            a_merged = big_a * a[:, None] + acc * bb[:, None]
-            big_m = tl.where(merging, m_merged, big_m)
-            big_l = tl.where(merging, l_merged, big_l)
-            big_a = tl.where(merging[:, None], a_merged, big_a)
+        if (hi > 0) & ((tl.cdiv(hi, BLOCK_N) * BLOCK_N) % KV_SPLIT != 0):  # the last split was not full
+            merging = q_row_ok & (positions >= (hi - 1) // KV_SPLIT * KV_SPLIT)
+            big_m, big_l, big_a = _merge(big_m, big_l, big_a, m, l, acc, merging)
         out = tl.div_rn(big_a, tl.where(q_row_ok, big_l, 1.0)[:, None])
         tl.store(out_ptr + token.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                  to_activation(out, IS_BF16), mask=q_row_ok[:, None])
 
 
 @triton.jit
-def _merge_kernel(part_m_ptr, part_l_ptr, part_a_ptr, out_ptr, positions_ptr, stride_ot, stride_oh,
-                  num_q_heads, max_splits, kv_split, HEAD_DIM: tl.constexpr, IS_BF16: tl.constexpr):
+def _merge_kernel(part_m_ptr, part_l_ptr, part_a_ptr, part_pos_ptr, out_ptr, stride_ot, stride_oh, num_q_heads,
+                  max_splits, KV_SPLIT: tl.constexpr, HEAD_DIM: tl.constexpr, IS_BF16: tl.constexpr):
     """Merge the splits of one (token, head) in ascending order; the same formula as in-kernel."""
     token = tl.program_id(0)
     head = tl.program_id(1)
+    position = tl.load(part_pos_ptr + token)
     offs_d = tl.arange(0, HEAD_DIM)
-    position = tl.load(positions_ptr + token)
     big_m = zero_scalar() + float("-inf")
     big_l = zero_scalar()
     big_a = tl.zeros((HEAD_DIM,), dtype=tl.float32)
     base = (token.to(tl.int64) * num_q_heads + head) * max_splits
-    for split in range(0, position // kv_split + 1):
+    for split in range(0, position // KV_SPLIT + 1):
         m = tl.load(part_m_ptr + base + split)
         l = tl.load(part_l_ptr + base + split)
         acc = tl.load(part_a_ptr + (base + split) * HEAD_DIM + offs_d)
@@ -177,60 +266,65 @@ def _merge_kernel(part_m_ptr, part_l_ptr, part_a_ptr, out_ptr, positions_ptr, st
     tl.store(out_ptr + token.to(tl.int64) * stride_ot + head * stride_oh + offs_d, to_activation(out, IS_BF16))
 
 
-def _tiles(q_lens: list[int], block_q: int) -> list[int]:
-    flat = []
-    for b, q_len in enumerate(q_lens):
-        for start in range(0, q_len, block_q):
-            flat += [b, start]
-    return flat
+def _launch_shape(tokens: int, num_seqs: int, group_pad: int) -> dict:
+    """Launch shape from the call's shape alone (the query lengths stay on the device): free,
+    chosen for speed on the H200 (bench/speed_sweep.py; bench/results/h200-2026-11-29-speed)."""
+    if INTERPRET:  # programs run one after another: parallel splits only add work
+        return dict(block_q=max(1, 16 // group_pad), num_warps=4, num_stages=1, decode=False)
+    if tokens <= 16 * num_seqs:
+        # Decode-like, bound by streaming K/V: one 16-row MMA tile, parallel splits, and 5 stages:
+        # the depth at which Triton 3.6 double-buffers the page-table-indirect K/V loads (with 3
+        # or 4 its TTGIR has one buffer, waited for at the top of every chunk).
+        return dict(block_q=max(1, 16 // group_pad), num_warps=4, num_stages=5, decode=True)
+    # Prefill, MMA bound: 64 query rows (one warpgroup) per program; 128 rows on 8 warps measured
+    # 2-4% slower at L = 2048..8192.
+    return dict(block_q=max(1, 64 // group_pad), num_warps=4, num_stages=2, decode=False)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float, kv_chunk: int, kv_split: int,
                     split_parallel: bool | None = None, block_q: int | None = None,
-                    num_warps: int = 4) -> torch.Tensor:
+                    num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     """q (T, Hq, D); caches (pages, P, Hkv, D); metadata as in hal.backend.AttentionMetadata.
-    ``split_parallel``, ``block_q`` and ``num_warps`` override the launch shape (tests and tuning);
-    they never change the bits."""
+    ``split_parallel``, ``block_q``, ``num_warps`` and ``num_stages`` override the launch shape
+    (tests and tuning); they never change the bits."""
     tokens, q_heads, head_dim = q.shape
     page, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_seqs = seq_lens.shape[0]
     group = q_heads // kv_heads
     out = torch.empty_like(q)
     if tokens == 0:
         return out
-    starts = query_start_loc.tolist()
-    lens = seq_lens.tolist()
-    q_lens = [starts[i + 1] - starts[i] for i in range(len(lens))]
     group_pad = next_power_of_2(group)
-    if block_q is None:
-        block_q = max(1, (16 if max(q_lens) <= 16 else 64) // group_pad)
-    tiles = _tiles(q_lens, block_q)
-    num_tiles = len(tiles) // 2
-    split = kv_split or max(lens)
-    split = triton.cdiv(split, kv_chunk) * kv_chunk
-    max_splits = triton.cdiv(max(lens), split)
+    shape = _launch_shape(tokens, num_seqs, group_pad)
+    block_q = block_q or shape["block_q"]
+    # Upper bounds from shapes alone: sum_b cdiv(q_len_b, block_q) tiles, keys <= the block table.
+    num_tiles = min(tokens, (tokens + num_seqs * (block_q - 1)) // block_q)
+    split = triton.cdiv(kv_split or block_table.shape[1] * page, kv_chunk) * kv_chunk
+    max_splits = max(1, triton.cdiv(block_table.shape[1] * page, split))
     if split_parallel is None:
-        split_parallel = max_splits > 1 and num_tiles * kv_heads < 264
-    tiles_t = torch.tensor(tiles, dtype=torch.int32, device=q.device)
-    scale_log2e = float(torch.tensor(scale / math.log(2.0), dtype=torch.float64).float())
+        # Parallel splits fill the GPU for few tiles and balance it for decode (measured faster
+        # up to batch 64 x 32k keys); prefill merges in-kernel (no partials to write).
+        split_parallel = max_splits > 1 and (shape["decode"] or num_tiles * kv_heads < 264) and not INTERPRET
+    scale_log2e = float(np.float32(scale / math.log(2.0)))  # fp64 -> fp32, round to nearest
     is_bf16 = q.dtype == torch.bfloat16
-    meta = dict(GROUP_PAD=group_pad, BLOCK_M=block_q * group_pad, HEAD_DIM=head_dim, IS_BF16=is_bf16, UPCAST=INTERPRET and is_bf16, BLOCK_N=kv_chunk,
-                num_warps=num_warps, num_stages=1 if INTERPRET else 2, **LAUNCH)
+    meta = dict(PAGE_SIZE=page, KV_SPLIT=split, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_DIM=head_dim,
+                IS_BF16=is_bf16, UPCAST=INTERPRET and is_bf16, BLOCK_N=kv_chunk, BLOCK_B=BLOCK_B,
+                num_warps=num_warps or shape["num_warps"], num_stages=num_stages or shape["num_stages"], **LAUNCH)
     strides = (q.stride(0), q.stride(1), block_table.stride(0), k_cache.stride(0), k_cache.stride(1),
                k_cache.stride(2), out.stride(0), out.stride(1))
     if split_parallel:
-        part_m = torch.empty((tokens, q_heads, max_splits), device=q.device, dtype=torch.float32)
-        part_l = torch.empty_like(part_m)
-        part_a = torch.empty((tokens, q_heads, max_splits, head_dim), device=q.device, dtype=torch.float32)
+        rows = tokens * q_heads * max_splits
+        parts = torch.empty((2 + head_dim) * rows, device=q.device, dtype=torch.float32)  # one allocation
+        part_m, part_l, part_a = parts.split([rows, rows, head_dim * rows])
+        part_pos = torch.empty(tokens, device=q.device, dtype=torch.int32)
         _attention_kernel[(num_tiles, kv_heads, max_splits)](
-            q, k_cache, v_cache, out, part_m, part_l, part_a, tiles_t, query_start_loc, seq_lens, block_table,
-            *strides, q_heads, max_splits, scale_log2e, group, page, split, SPLIT_PARALLEL=True, **meta)
-        positions = torch.cat([torch.arange(lens[i] - q_lens[i], lens[i]) for i in range(len(lens))])
-        _merge_kernel[(tokens, q_heads)](part_m, part_l, part_a, out, positions.to(q.device, torch.int32),
-                                         out.stride(0), out.stride(1), q_heads, max_splits, split,
-                                         HEAD_DIM=head_dim, IS_BF16=is_bf16, **LAUNCH)
+            q, k_cache, v_cache, out, part_m, part_l, part_a, part_pos, query_start_loc, seq_lens, block_table,
+            num_seqs, num_tiles, *strides, q_heads, max_splits, scale_log2e, group, SPLIT_PARALLEL=True, **meta)
+        _merge_kernel[(tokens, q_heads)](part_m, part_l, part_a, part_pos, out, out.stride(0), out.stride(1), q_heads,
+                                         max_splits, KV_SPLIT=split, HEAD_DIM=head_dim, IS_BF16=is_bf16, **LAUNCH)
     else:
         _attention_kernel[(num_tiles, kv_heads, 1)](
-            q, k_cache, v_cache, out, out, out, out, tiles_t, query_start_loc, seq_lens, block_table,
-            *strides, q_heads, 1, scale_log2e, group, page, split, SPLIT_PARALLEL=False, **meta)
+            q, k_cache, v_cache, out, out, out, out, out, query_start_loc, seq_lens, block_table, num_seqs, num_tiles,
+            *strides, q_heads, 1, scale_log2e, group, SPLIT_PARALLEL=False, **meta)
     return out

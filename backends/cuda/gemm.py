@@ -6,10 +6,18 @@ Reduction structure (contract [gemm], read from ``k_chunk``):
   chunk is the MMA's: implementation-defined, the same for every tile shape); chunk sums are added
   in ascending order into an fp32 total that starts at +0; the bias is added in fp32; one rounding.
 
-Two launch shapes give the same bits and are chosen per call for speed only:
+The K loop is one flat loop over BLOCK_K steps: ``acc`` collects the current chunk and is flushed
+into ``total`` (and restarted from zero) after the chunk's last step. A loop nested per chunk
+restarts Triton's software pipeline at every chunk (the first version did: 1.2x slower than this
+loop with the same pointer loads at M >= 1024 on the H200); the flat loop keeps the loads streaming
+across chunk boundaries and adds the same sums in the same order.
+
+Launch choices that give the same bits, chosen per call for speed only:
   * direct: each program owns a (BLOCK_M, BLOCK_N) tile and walks all chunks;
-  * split-K: each program computes one chunk's sum and stores it; ``_combine_kernel`` adds the
-    chunk sums in ascending order (for small M, where direct tiles cannot fill the GPU).
+  * split-K: each program walks CHUNKS_PER_PROGRAM chunks and stores each chunk's sum separately;
+    ``_combine_kernel`` adds the chunk sums in ascending order;
+  * loads by pointer, or (``TMA``, bf16 on Hopper, large M) by tensor descriptor, the copy engine:
+    the same tiles of the same values reach the same MMAs.
 """
 
 from __future__ import annotations
@@ -21,19 +29,46 @@ import triton.language as tl
 from hal.backends.cuda.common import INTERPRET, LAUNCH, to_activation
 
 
-@triton.jit
-def _chunk_sum(x_ptr, w_ptr, offs_m, offs_n, M, N, K, chunk, stride_xm, stride_xk, stride_wn, stride_wk,
-               K_CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               FP32_INPUTS: tl.constexpr, UPCAST: tl.constexpr):
-    """fp32 sum over one K chunk, accumulated from zero."""
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+@triton.jit(do_not_specialize=["M"])
+def _gemm_kernel(x, w, bias_ptr, out_ptr, partial_ptr, M, N, K,
+                 stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
+                 K_CHUNK: tl.constexpr, SPLIT: tl.constexpr, CHUNKS_PER_PROGRAM: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, OUT_BF16: tl.constexpr, FP32_INPUTS: tl.constexpr, UPCAST: tl.constexpr,
+                 TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 GROUP_M: tl.constexpr):
+    """x, w: pointers, or with TMA tensor descriptors of (BLOCK_M, BLOCK_K) and (BLOCK_N, BLOCK_K)
+    blocks (out-of-range rows and columns read as zeros, like the masked pointer loads)."""
+    # Tiles in groups of GROUP_M rows of tiles, so programs that run together share W tiles in L2.
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    group = pid // (GROUP_M * tiles_n)
+    first_m = group * GROUP_M
+    rows_in_group = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * tiles_n)) % rows_in_group
+    pid_n = (pid % (GROUP_M * tiles_n)) // rows_in_group
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    for k0 in range(chunk * K_CHUNK, tl.minimum((chunk + 1) * K_CHUNK, K), BLOCK_K):
-        ks = k0 + offs_k
-        a = tl.load(x_ptr + offs_m[:, None] * stride_xm + ks[None, :] * stride_xk,
-                    mask=(offs_m[:, None] < M) & (ks[None, :] < K), other=0.0)
-        b = tl.load(w_ptr + offs_n[None, :] * stride_wn + ks[:, None] * stride_wk,
-                    mask=(offs_n[None, :] < N) & (ks[:, None] < K), other=0.0)
+    out_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    if SPLIT:
+        k_begin = tl.program_id(1) * CHUNKS_PER_PROGRAM * K_CHUNK
+        k_end = tl.minimum(k_begin + CHUNKS_PER_PROGRAM * K_CHUNK, K)
+    else:
+        k_begin = 0
+        k_end = K
+    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        if TMA:
+            a = x.load([pid_m * BLOCK_M, k0])
+            b = w.load([pid_n * BLOCK_N, k0]).T
+        else:
+            ks = k0 + offs_k
+            a = tl.load(x + offs_m[:, None] * stride_xm + ks[None, :] * stride_xk,
+                        mask=(offs_m[:, None] < M) & (ks[None, :] < K), other=0.0)
+            b = tl.load(w + offs_n[None, :] * stride_wn + ks[:, None] * stride_wk,
+                        mask=(offs_n[None, :] < N) & (ks[:, None] < K), other=0.0)
         if UPCAST:  # the interpreter cannot do bf16 arithmetic; the upcast is exact
             a = a.to(tl.float32)
             b = b.to(tl.float32)
@@ -41,40 +76,22 @@ def _chunk_sum(x_ptr, w_ptr, offs_m, offs_n, M, N, K, chunk, stride_xm, stride_x
             acc = tl.dot(a, b, acc, input_precision="ieee")
         else:
             acc = tl.dot(a, b, acc)
-    return acc
-
-
-@triton.jit
-def _gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, M, N, K,
-                 stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
-                 K_CHUNK: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, OUT_BF16: tl.constexpr,
-                 FP32_INPUTS: tl.constexpr, UPCAST: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    out_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    if SPLIT:
-        # One chunk per program; the combine kernel adds the chunk sums in order.
-        chunk = tl.program_id(2)
-        acc = _chunk_sum(x_ptr, w_ptr, offs_m, offs_n, M, N, K, chunk, stride_xm, stride_xk, stride_wn,
-                         stride_wk, K_CHUNK, BLOCK_M, BLOCK_N, BLOCK_K, FP32_INPUTS, UPCAST)
-        base = chunk.to(tl.int64) * M * N
-        tl.store(partial_ptr + base + offs_m[:, None] * N + offs_n[None, :], acc, mask=out_mask)
-    else:
-        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for chunk in range(0, tl.cdiv(K, K_CHUNK)):
-            total = total + _chunk_sum(x_ptr, w_ptr, offs_m, offs_n, M, N, K, chunk, stride_xm, stride_xk,
-                                       stride_wn, stride_wk, K_CHUNK, BLOCK_M, BLOCK_N, BLOCK_K, FP32_INPUTS,
-                                       UPCAST)
+        if ((k0 + BLOCK_K) % K_CHUNK == 0) | (k0 + BLOCK_K >= k_end):  # the chunk's last step
+            if SPLIT:
+                chunk = k0 // K_CHUNK
+                base = chunk.to(tl.int64) * M * N
+                tl.store(partial_ptr + base + offs_m[:, None] * N + offs_n[None, :], acc, mask=out_mask)
+            else:
+                total = total + acc
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if not SPLIT:
         if HAS_BIAS:
             total = total + tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on,
+        tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on,
                  to_activation(total, OUT_BF16), mask=out_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _combine_kernel(partial_ptr, bias_ptr, out_ptr, M, N, CHUNKS, stride_om, stride_on,
                     HAS_BIAS: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK: tl.constexpr):
     """total = +0 + chunk 0 + chunk 1 + ... in ascending order; + bias; one rounding."""
@@ -90,17 +107,31 @@ def _combine_kernel(partial_ptr, bias_ptr, out_ptr, M, N, CHUNKS, stride_om, str
 
 
 def _config(m: int, n: int, k: int, k_chunk: int) -> dict:
-    """Tiling per shape: free (does not change the bits), chosen for speed."""
+    """Tiling per shape: free (does not change the bits), chosen for speed on the H200 by a small
+    sweep (bench/speed_sweep.py; bench/results/h200-2026-11-29-speed)."""
     chunks = triton.cdiv(k, k_chunk)
+    base = dict(split=False, chunks_per_program=1, GROUP_M=1, tma=False)
     if INTERPRET:
-        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, split=chunks > 1 and m <= 16, num_warps=4, num_stages=1)
+        return dict(base, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, split=chunks > 1 and m <= 16, num_warps=4,
+                    num_stages=1)
+    wide = n > 16384  # lm_head: enough N tiles to fill the GPU at any M
     if m <= 16:
-        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, split=chunks > 1, num_warps=4, num_stages=4)
+        # Weight-read bound: thin N tiles (enough programs for 132 SMs), a deep K pipeline.
+        return dict(base, BLOCK_M=16, BLOCK_N=64 if wide else 32, BLOCK_K=128 if wide else 256, num_warps=4,
+                    num_stages=5 if wide else 4)
     if m <= 64:
-        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, split=chunks > 1 and n <= 8192, num_warps=4, num_stages=4)
-    if m <= 256:
-        return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, split=False, num_warps=4, num_stages=4)
-    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, split=False, num_warps=8, num_stages=3)
+        return dict(base, BLOCK_M=64, BLOCK_N=64 if wide else 32, BLOCK_K=64 if wide else 128, num_warps=4,
+                    num_stages=4)
+    # MMA bound: TMA loads (fewer registers and instructions than pointer loads, which the second
+    # fp32 accumulator needs), 128-row tiles of two warpgroups, grouped for L2 reuse.
+    return dict(base, BLOCK_M=128, BLOCK_N=256 if wide else 128, BLOCK_K=64, GROUP_M=8, tma=True, num_warps=8,
+                num_stages=3 if wide else 4)
+
+
+def _tma_ok(t: torch.Tensor) -> bool:
+    """A tensor descriptor needs a bf16 row-major matrix with 16-byte aligned base and rows."""
+    return (t.dtype == torch.bfloat16 and t.stride(1) == 1 and t.data_ptr() % 16 == 0
+            and (t.stride(0) * t.element_size()) % 16 == 0)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
@@ -113,27 +144,36 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out
         return out
     if k == 0:
         return out.copy_((bias.float() if bias is not None else torch.zeros(n, device=x.device)).expand(m, n))
-    cfg = dict(_config(m, n, k, k_chunk), **(config or {}))
+    cfg = _config(m, n, k, k_chunk)
+    if config:
+        cfg.update(config)
     if k_chunk % cfg["BLOCK_K"]:
         raise ValueError(f"BLOCK_K {cfg['BLOCK_K']} must divide k_chunk {k_chunk}")
     chunks = triton.cdiv(k, k_chunk)
-    common = dict(K_CHUNK=k_chunk, HAS_BIAS=bias is not None, OUT_BF16=out_dtype == torch.bfloat16,
-                  FP32_INPUTS=x.dtype == torch.float32, UPCAST=INTERPRET and x.dtype != torch.float32,
-                  BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **LAUNCH)
+    split = cfg["split"] and chunks > 1
+    per_program = min(cfg["chunks_per_program"], chunks) if split else chunks
     bias_arg = bias if bias is not None else out
-    grid_mn = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]))
-    if cfg["split"] and chunks > 1:
-        partial = torch.empty((chunks, m, n), device=x.device, dtype=torch.float32)
-        _gemm_kernel[grid_mn + (chunks,)](x, weight, bias_arg, out, partial, m, n, k, x.stride(0), x.stride(1),
-                                          weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
-                                          SPLIT=True, **common)
+    partial = torch.empty((chunks, m, n), device=x.device, dtype=torch.float32) if split else out
+    # "tma" asks for descriptor loads where the tensors allow them (the bits are the same).
+    tma = cfg["tma"] and not split and not INTERPRET and _tma_ok(x) and _tma_ok(weight)
+    if tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        x_arg = TensorDescriptor.from_tensor(x, [cfg["BLOCK_M"], cfg["BLOCK_K"]])
+        w_arg = TensorDescriptor.from_tensor(weight, [cfg["BLOCK_N"], cfg["BLOCK_K"]])
+    else:
+        x_arg, w_arg = x, weight
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(chunks, per_program))
+    _gemm_kernel[grid](x_arg, w_arg, bias_arg, out, partial, m, n, k, x.stride(0), x.stride(1), weight.stride(0),
+                       weight.stride(1), out.stride(0), out.stride(1), K_CHUNK=k_chunk, SPLIT=split,
+                       CHUNKS_PER_PROGRAM=per_program, HAS_BIAS=bias is not None,
+                       OUT_BF16=out_dtype == torch.bfloat16, FP32_INPUTS=x.dtype == torch.float32,
+                       UPCAST=INTERPRET and x.dtype != torch.float32, TMA=tma, BLOCK_M=cfg["BLOCK_M"],
+                       BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
+                       num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **LAUNCH)
+    if split:
         block = 1024
         _combine_kernel[(triton.cdiv(m * n, block),)](partial, bias_arg, out, m, n, chunks, out.stride(0),
                                                        out.stride(1), HAS_BIAS=bias is not None,
                                                        OUT_BF16=out_dtype == torch.bfloat16, BLOCK=block, **LAUNCH)
-    else:
-        _gemm_kernel[grid_mn](x, weight, bias_arg, out, out, m, n, k, x.stride(0), x.stride(1),
-                              weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
-                              SPLIT=False, **common)
     return out
