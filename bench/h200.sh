@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (the `device` tool), from the repository root:
-#   bash bench/h200.sh STEP...     steps: tile kit-quick kit-full negative model bench (default: all)
+#   bash bench/h200.sh STEP...     steps: equal tile kit-quick kit-full negative model bench (default: all)
 # Installs this checkout (and the carried stevedore wheel in .whl/) into /tmp/site, then runs
 # from outside the checkout so that the installed package (with hal.backends.cuda) is imported.
 # The GPU image has no stevedore and no registry access; fetch its wheel here first:
@@ -10,7 +10,7 @@
 #   KIT_EXAMPLES   hypothesis examples per kit test for kit-quick and negative (default 8)
 #   BENCH_ARGS     extra arguments of bench_cuda.py (e.g. --quick)
 set -uo pipefail
-steps=${*:-tile kit-quick negative model bench}
+steps=${*:-equal tile kit-quick negative model bench}
 repo=$(pwd)
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
@@ -24,6 +24,9 @@ status=0
 for step in $steps; do
   echo "== $step"
   case $step in
+    equal) # the current kernels against the first measured ones (bench/cuda_v0): bitwise equal
+           python3 "$repo/bench/equal_v0.py" --json "$out/equal_v0.json" > "$out/equal_v0.log" 2>&1 || status=1
+           tail -n 5 "$out/equal_v0.log" ;;
     tile) python3 "$repo/bench/tile_freedom.py" --json "$out/tile_freedom.json" > "$out/tile_freedom.log" 2>&1 || status=1
           tail -n 20 "$out/tile_freedom.log" ;;
     kit-quick) python3 -m hal.cli conformance --backend cuda --quick --max-examples "${KIT_EXAMPLES:-8}" \

@@ -30,17 +30,22 @@ def gemm_cases(backend, g):
     k_chunk = backend.contract.gemm.k_chunk
     results = []
     # Each launch shape is a separate compilation (~1.5 s): a few shapes that straddle the
-    # direct/split-K choice and both MMA families (BLOCK_M 16 -> mma.sync, 64/128 -> wgmma).
+    # direct/split-K choice, both MMA families (BLOCK_M 16 -> mma.sync, 64/128 -> wgmma) and
+    # pointer vs TMA loads.
     for m, n, k, dtype in [(1, 4096, 4096, torch.bfloat16), (16, 1000, 1100, torch.bfloat16),
                            (257, 1536, 2048, torch.bfloat16), (16, 1000, 1100, torch.float32)]:
             x = random_tensor((m, k), dtype, g, device="cuda", spread=4)
             w = random_tensor((n, k), dtype, g, device="cuda", spread=4, scale=k ** -0.5)
             bias = random_tensor((n,), dtype, g, device="cuda")
             configs, outs = [], []
-            for bm, bn, bk, warps, stages, split in [(16, 64, 128, 4, 4, True), (16, 64, 128, 4, 4, False),
-                                                     (64, 64, 64, 4, 4, False), (64, 128, 32, 4, 3, True),
-                                                     (128, 128, 64, 8, 3, False), (128, 64, 128, 8, 2, False)]:
-                cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, split=split)
+            # tma: tensor-descriptor loads where the tensors allow them (bf16, K a multiple of 8).
+            for bm, bn, bk, warps, stages, split, tma in [
+                    (16, 64, 128, 4, 4, True, False), (16, 64, 128, 4, 4, False, False),
+                    (64, 64, 64, 4, 4, False, False), (64, 128, 32, 4, 3, True, False),
+                    (128, 128, 64, 8, 3, False, False), (128, 64, 128, 8, 2, False, False),
+                    (128, 128, 64, 8, 4, False, True), (128, 256, 64, 8, 3, False, True)]:
+                cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, split=split,
+                           tma=tma)
                 try:
                     outs.append(gemm.linear(x, w, bias, torch.float32, k_chunk, cfg))
                 except OutOfResources:  # a tile that does not fit in shared memory: not a launch shape
@@ -75,8 +80,8 @@ def attention_cases(backend, g):
             q = random_tensor((sum(q_lens), hq, head_dim), dtype, g, device="cuda")
             meta = build_metadata(q_lens, seq_lens, page_lists, "cuda")
             args = (q, cache.k, cache.v, meta.query_start_loc, meta.seq_lens, meta.block_table, head_dim ** -0.5)
-            launches = [dict(split_parallel=sp, block_q=bq, num_warps=w)
-                        for sp, bq, w in [(False, 16, 4), (True, 4, 4), (False, 4, 8), (True, 1, 8)]]
+            launches = [dict(split_parallel=sp, block_q=bq, num_warps=w, num_stages=st)
+                        for sp, bq, w, st in [(False, 16, 4, 2), (True, 4, 4, 5), (False, 4, 8, 3), (True, 1, 8, 2)]]
             outs = [attention.paged_attention(*args, spec.kv_chunk, spec.kv_split, **lc) for lc in launches]
             same = [torch.equal(outs[0], o) for o in outs]
             other = attention.paged_attention(*args, spec.kv_chunk // 2, spec.kv_split, **launches[0])

@@ -1,0 +1,273 @@
+"""Small sweep of launch shapes for the cuda kernels on the H200: the evidence behind the per-shape
+configs in gemm.py and attention.py. Every variant's output is checked bitwise against the first
+measured kernels (bench/cuda_v0) on the same inputs, then timed next to them and the stock ops.
+
+Variants are few on purpose (each is a separate compile, ~1-2 s): picked by reasoning about the
+shape (weight-read bound small M, MMA-bound large M; decode streaming KV, prefill MMA-bound).
+Small shapes are host-bound in eager timing (Triton's Python launch path): ``--graph`` times
+them by device time instead.
+
+    python bench/speed_sweep.py --json sweep.json
+    python bench/speed_sweep.py --json sweep_graph.json --graph --only gemm,attention --ms 1,16,64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+import triton
+from triton.runtime.errors import OutOfResources
+
+import cuda_v0.attention as v0_attention
+import cuda_v0.gemm as v0_gemm
+import cuda_v0.logprobs as v0_logprobs
+from hal.api import create_backend
+from hal.backends.cuda import attention, gemm, logprobs
+from hal.kvcache import build_metadata
+
+
+GRAPH = False  # --graph: time variants by device time (CUDA-graph replay) instead of eager calls
+
+
+def bench(fn, rep_ms: int = 40) -> float:
+    if GRAPH:
+        return triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median")
+    return triton.testing.do_bench(fn, warmup=10, rep=rep_ms, return_mode="median")
+
+
+def host_us(fn, calls: int = 200) -> float:
+    """Host microseconds per call when the GPU keeps up (enqueue cost: Python + launches)."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
+def graph_ms(fn) -> float:
+    """Device time alone: the call captured in a CUDA graph and replayed."""
+    try:
+        return triton.testing.do_bench_cudagraph(fn, rep=40, return_mode="median")
+    except Exception as exc:  # noqa: BLE001 - recorded, not fatal
+        print("graph capture failed:", repr(exc)[:200])
+        return float("nan")
+
+
+GEMM_VARIANTS = {
+    "small": [dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, split=False, num_warps=4, num_stages=4),
+              dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, split=False, num_warps=4, num_stages=5),
+              dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, split=False, num_warps=4, num_stages=6),
+              dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, split=True, chunks_per_program=1, num_warps=4, num_stages=4),
+              dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, split=True, chunks_per_program=2, num_warps=4,
+                   num_stages=4)],
+    "m64": [dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, split=False, num_warps=4, num_stages=4),
+            dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, split=False, num_warps=4, num_stages=4),
+            dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, split=True, chunks_per_program=1, num_warps=4, num_stages=4),
+            dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, split=False, num_warps=4, num_stages=3)],
+    # TMA: tensor-descriptor loads (gemm.py); first tried here as a separate experimental kernel.
+    "m256": [dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, split=False, GROUP_M=8, num_warps=4, num_stages=4),
+             dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, split=False, GROUP_M=8, num_warps=4, num_stages=4),
+             dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, split=False, GROUP_M=8, num_warps=4, num_stages=4),
+             dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, split=False, GROUP_M=8, num_warps=8, num_stages=4),
+             dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, tma=True, num_warps=8, num_stages=4),
+             dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, tma=True, num_warps=8, num_stages=3),
+             dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, tma=True, num_warps=8, num_stages=3)],
+    "large": [dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, split=False, GROUP_M=8, num_warps=8, num_stages=4),
+              dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, split=False, GROUP_M=8, num_warps=8, num_stages=3),
+              dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, split=False, GROUP_M=8, num_warps=8, num_stages=3),
+              dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, split=False, GROUP_M=8, num_warps=8, num_stages=3),
+              dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, tma=True, num_warps=8, num_stages=4),
+              dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, tma=True, num_warps=8, num_stages=3),
+              dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, tma=True, num_warps=8, num_stages=3)],
+}
+for _variants in GEMM_VARIANTS.values():  # pointer loads unless a variant asks for TMA
+    for _cfg in _variants:
+        _cfg.setdefault("tma", False)
+
+
+def mm_args(pair):
+    x, w = pair
+    return x, w.T
+
+
+def _class(m: int) -> str:
+    return "small" if m <= 16 else "m64" if m <= 64 else "m256" if m <= 256 else "large"
+
+
+def gemm_sweep(k_chunk, ms):
+    rows = []
+    for n, k in [(4096, 4096), (14336, 4096), (4096, 14336), (152064, 4096)]:
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
+        ws = [w] + [w.clone() for _ in range(3 if n * k * 2 < (120 << 20) else 0)]  # graph replays: not from L2
+        out_dtype = torch.float32 if n == 152064 else torch.bfloat16
+        for m in ms:
+            xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+            pairs = [(xs[i], ws[i % len(ws)]) for i in range(4)]
+            it = iter(range(10 ** 9))
+            ref = v0_gemm.linear(xs[0], w, None, out_dtype, k_chunk)
+            row = dict(op="gemm", shape=f"M={m} N={n} K={k}", v0_ms=bench(
+                lambda: v0_gemm.linear(*pairs[next(it) % 4], None, out_dtype, k_chunk)))
+            if out_dtype == torch.float32:
+                row["stock_ms"] = bench(lambda: torch.mm(*mm_args(pairs[next(it) % 4])).float())
+            else:
+                row["stock_ms"] = bench(lambda: torch.mm(*mm_args(pairs[next(it) % 4])))
+            row["variants"] = []
+            for cfg in GEMM_VARIANTS[_class(m)]:
+                try:
+                    same = torch.equal(gemm.linear(xs[0], w, None, out_dtype, k_chunk, cfg), ref)
+                    t = bench(lambda: gemm.linear(*pairs[next(it) % 4], None, out_dtype, k_chunk, cfg))
+                except OutOfResources as exc:
+                    same, t = None, float("nan")
+                    print("out of resources", cfg, str(exc)[:100])
+                row["variants"].append(dict(cfg=cfg, ms=t, equal_v0=same))
+            row["default_ms"] = bench(lambda: gemm.linear(*pairs[next(it) % 4], None, out_dtype, k_chunk))
+            best = min((v for v in row["variants"] if v["ms"] == v["ms"]), key=lambda v: v["ms"])
+            print(f"gemm {row['shape']:<24} cublas {row['stock_ms']:.4f} v0 {row['v0_ms']:.4f} default "
+                  f"{row['default_ms']:.4f} best {best['ms']:.4f} ({best['cfg']}) ratio {row['stock_ms'] / best['ms']:.2f}"
+                  f" all_equal={all(v['equal_v0'] for v in row['variants'] if v['equal_v0'] is not None)}",
+                  flush=True)
+            rows.append(row)
+        del w, ws
+    return rows
+
+
+def _paged(seq_lens, q_lens, hq, hkv, d, page):
+    total = sum(-(-n // page) for n in seq_lens)
+    k_cache = torch.randn(total, page, hkv, d, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    perm = torch.randperm(total).tolist()
+    lists, at = [], 0
+    for n in seq_lens:
+        lists.append(perm[at: at + -(-n // page)])
+        at += -(-n // page)
+    q = torch.randn(sum(q_lens), hq, d, device="cuda", dtype=torch.bfloat16)
+    return q, k_cache, v_cache, build_metadata(q_lens, seq_lens, lists, "cuda")
+
+
+def attention_sweep(spec):
+    rows = []
+    hq, hkv, d = 32, 8, 128
+    for seq in (512, 2048, 8192):
+        q, kc, vc, meta = _paged([seq], [seq], hq, hkv, d, 64)
+        args = (q, kc, vc, meta.query_start_loc, meta.seq_lens, meta.block_table, d ** -0.5, spec.kv_chunk,
+                spec.kv_split)
+        qs = torch.randn(1, hq, seq, d, device="cuda", dtype=torch.bfloat16)
+        ks = torch.randn(1, hkv, seq, d, device="cuda", dtype=torch.bfloat16)
+        vs = torch.randn_like(ks)
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+            stock = bench(lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True))
+        ref = v0_attention.paged_attention(*args)
+        row = dict(op="prefill", shape=f"L={seq}", stock_ms=stock, v0_ms=bench(lambda: v0_attention.paged_attention(*args)),
+                   variants=[])
+        for bq, warps, stages in [(16, 4, 2), (32, 8, 2), (32, 8, 3), (16, 4, 3)]:
+            lc = dict(block_q=bq, num_warps=warps, num_stages=stages)
+            try:
+                same = torch.equal(attention.paged_attention(*args, **lc), ref)
+                t = bench(lambda: attention.paged_attention(*args, **lc))
+            except OutOfResources:
+                same, t = None, float("nan")
+            row["variants"].append(dict(cfg=lc, ms=t, equal_v0=same))
+        flops = 4 * seq * seq * d * hq / 2
+        best = min((v for v in row["variants"] if v["ms"] == v["ms"]), key=lambda v: v["ms"])
+        print(f"prefill L={seq:<6} sdpa {stock:.4f} v0 {row['v0_ms']:.4f} best {best['ms']:.4f} {best['cfg']} "
+              f"ratio {stock / best['ms']:.2f} {flops / best['ms'] / 1e9:.0f} TFLOP/s "
+              f"all_equal={all(v['equal_v0'] for v in row['variants'] if v['equal_v0'] is not None)}", flush=True)
+        rows.append(row)
+    for batch, ctx in [(1, 4096), (1, 32768), (8, 4096), (8, 32768), (64, 4096), (64, 32768)]:
+        q, kc, vc, meta = _paged([ctx] * batch, [1] * batch, hq, hkv, d, 16)
+        args = (q, kc, vc, meta.query_start_loc, meta.seq_lens, meta.block_table, d ** -0.5, spec.kv_chunk,
+                spec.kv_split)
+        ks = torch.randn(batch, hkv, ctx, d, device="cuda", dtype=torch.bfloat16)
+        vs = torch.randn_like(ks)
+        qs = torch.randn(batch, hq, 1, d, device="cuda", dtype=torch.bfloat16)
+        stock = bench(lambda: F.scaled_dot_product_attention(qs, ks, vs, enable_gqa=True))
+        ref = v0_attention.paged_attention(*args)
+        row = dict(op="decode", shape=f"B={batch} ctx={ctx}", stock_ms=stock,
+                   v0_ms=bench(lambda: v0_attention.paged_attention(*args)), variants=[])
+        for sp, stages in [(True, 3), (True, 5), (True, 6), (False, 5)]:
+            lc = dict(split_parallel=sp, num_stages=stages)
+            same = torch.equal(attention.paged_attention(*args, **lc), ref)
+            t = bench(lambda: attention.paged_attention(*args, **lc))
+            row["variants"].append(dict(cfg=lc, ms=t, equal_v0=same))
+        kv_bytes = 2 * batch * ctx * hkv * d * 2
+        best = min(row["variants"], key=lambda v: v["ms"])
+        row["graph_ms"] = graph_ms(lambda: attention.paged_attention(*args, **best["cfg"]))
+        row["host_us"] = host_us(lambda: attention.paged_attention(*args, **best["cfg"]))
+        print(f"decode {row['shape']:<16} sdpa {stock:.4f} v0 {row['v0_ms']:.4f} best {best['ms']:.4f} {best['cfg']} "
+              f"ratio {stock / best['ms']:.2f} {kv_bytes / best['ms'] / 1e6:.0f} GB/s graph {row['graph_ms']:.4f} "
+              f"host {row['host_us']:.0f}us all_equal={all(v['equal_v0'] for v in row['variants'])}", flush=True)
+        rows.append(row)
+    return rows
+
+
+def logprob_sweep(chunk):
+    rows = []
+    for m in (1, 64, 1024):
+        logits = torch.randn(m, 152064, device="cuda", dtype=torch.float32) * 4
+        ids = torch.randint(0, 152064, (m,), device="cuda")
+        same = torch.equal(logprobs.token_logprobs(logits, ids, 1.0, chunk),
+                           v0_logprobs.token_logprobs(logits, ids, 1.0, chunk))
+        row = dict(op="token_logprobs", shape=f"M={m}", equal_v0=same,
+                   ms=bench(lambda: logprobs.token_logprobs(logits, ids, 1.0, chunk)),
+                   v0_ms=bench(lambda: v0_logprobs.token_logprobs(logits, ids, 1.0, chunk)),
+                   stock_ms=bench(lambda: torch.log_softmax(logits, -1).gather(-1, ids[:, None])),
+                   graph_ms=graph_ms(lambda: logprobs.token_logprobs(logits, ids, 1.0, chunk)),
+                   host_us=host_us(lambda: logprobs.token_logprobs(logits, ids, 1.0, chunk)))
+        print(f"logprobs M={m:<5} torch {row['stock_ms']:.4f} v0 {row['v0_ms']:.4f} new {row['ms']:.4f} "
+              f"graph {row['graph_ms']:.4f} host {row['host_us']:.0f}us equal={same}", flush=True)
+        rows.append(row)
+    return rows
+
+
+def overhead_rows(k_chunk):
+    """Host cost per call vs device time, at sizes where the device is fast."""
+    rows = []
+    w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    backend = create_backend("cuda")
+    for name, fn in [("torch.mm M=1", lambda: torch.mm(x, w.T)),
+                     ("gemm.linear M=1", lambda: gemm.linear(x, w, None, torch.bfloat16, k_chunk)),
+                     ("backend.linear M=1", lambda: backend.linear(x, w)),
+                     ("v0 linear M=1", lambda: v0_gemm.linear(x, w, None, torch.bfloat16, k_chunk)),
+                     ("torch.empty", lambda: torch.empty(16, device="cuda"))]:
+        rows.append(dict(op="overhead", shape=name, host_us=host_us(fn), graph_ms=graph_ms(fn), ms=bench(fn)))
+        print(f"overhead {name:<22} host {rows[-1]['host_us']:.1f}us graph {rows[-1]['graph_ms'] * 1e3:.1f}us "
+              f"eager {rows[-1]['ms'] * 1e3:.1f}us", flush=True)
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", required=True)
+    parser.add_argument("--only", default="overhead,gemm,attention,logprobs")
+    parser.add_argument("--graph", action="store_true", help="time variants by CUDA-graph replay (device time)")
+    parser.add_argument("--ms", default="1,16,64,256,1024,4096,8192", help="GEMM M values")
+    args = parser.parse_args()
+    global GRAPH
+    GRAPH = args.graph
+    contract = create_backend("cuda").contract
+    start = time.time()
+    rows = []
+    steps = {"overhead": lambda: overhead_rows(contract.gemm.k_chunk),
+             "logprobs": lambda: logprob_sweep(contract.logprobs.vocab_chunk),
+             "attention": lambda: attention_sweep(contract.attention),
+             "gemm": lambda: gemm_sweep(contract.gemm.k_chunk, [int(m) for m in args.ms.split(",")])}
+    for name in args.only.split(","):
+        rows += steps[name]()
+        print(f"{name} done at {time.time() - start:.0f}s", flush=True)
+        with open(args.json, "w") as f:  # after every step: a timeout keeps what was measured
+            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                           rows=rows), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
