@@ -169,9 +169,10 @@ def _refuse_compilation() -> None:
 # GEMMs: every linear layer and the lm_head.
 # ---------------------------------------------------------------------------------------------
 
-class HalLinearMethod(UnquantizedLinearMethod):
-    """Creates vLLM's plain (N, K) weight and runs ``backend.linear``; keeps the weight as loaded
-    (the stock CPU method repacks it for oneDNN and empties ``layer.weight``)."""
+class _HalGemm:
+    """What both GEMM methods share: the engine's HalConfig, and weights kept exactly as loaded (the
+    stock CPU methods repack them for oneDNN and empty ``layer.weight``; the HAL reads the plain
+    (N, K) weight, and ``reload_weights`` then updates it in place)."""
 
     def __init__(self, config: HalConfig):
         super().__init__()
@@ -179,20 +180,17 @@ class HalLinearMethod(UnquantizedLinearMethod):
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         return None
+
+
+class HalLinearMethod(_HalGemm, UnquantizedLinearMethod):
+    """Every linear layer: vLLM's plain weight (created by the stock method), ``backend.linear``."""
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return self.config.backend().linear(x, layer.weight, bias)
 
 
-class HalLMHeadMethod(UnquantizedEmbeddingMethod):
+class HalLMHeadMethod(_HalGemm, UnquantizedEmbeddingMethod):
     """The lm_head: fp32 logits straight out of the GEMM, as the trainer's ``DecoderLM`` computes them."""
-
-    def __init__(self, config: HalConfig):
-        super().__init__()
-        self.config = config
-
-    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        return None
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return self.config.backend().linear(x, layer.weight, bias, out_dtype=torch.float32)
