@@ -55,8 +55,8 @@ from hal.rollout import Completion, HarnessConfig, Request, RolloutHarness, reco
 CHECKPOINT = "checkpoint.pt"
 METRICS = "metrics.jsonl"
 # Recipe keys a checkpoint must agree with to be resumed (steps and output paths may change).
-_RESUME_KEYS = ("model", "task", "backend", "contract", "prompts_per_step", "samples_per_prompt", "max_tokens",
-                "temperature", "learning_rate", "clip", "seed", "harness")
+_RESUME_KEYS = ("model", "task", "backend", "contract", "engine", "prompts_per_step", "samples_per_prompt",
+                "max_tokens", "temperature", "learning_rate", "clip", "seed", "harness")
 
 
 def build_model(recipe: Recipe, backend) -> DecoderLM:
