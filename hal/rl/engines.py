@@ -2,7 +2,8 @@
 
 Each engine generates completions for a step's requests and, after the optimizer step, takes the
 trainer's new weights (``sync``) and proves it holds them: it returns a digest of the weights *it*
-sees, which must equal the trainer's, or ``WeightSyncError`` is raised.
+sees, which must equal the trainer's, or ``WeightSyncError`` is raised. ``check`` is the proof
+alone, for the weights the engine started from.
 
 * ``HarnessEngine``: the built-in harness holds the trainer's own ``DecoderLM`` object, so the sync is
   in place by construction; checked by a sha256 of the object the harness holds.
@@ -60,6 +61,8 @@ class HarnessEngine:
             raise WeightSyncError("the harness does not hold the trainer's model object")
         return weights_checksum(self.model)
 
+    check = sync                    # nothing to copy: holding the object is the sync
+
     def close(self) -> None:
         pass
 
@@ -95,6 +98,9 @@ class VllmRolloutEngine:
 
     def sync(self, model: DecoderLM) -> str:
         return self.engine.sync_weights(model)
+
+    def check(self, model: DecoderLM) -> str:
+        return self.engine.check_weights(model)
 
     def close(self) -> None:
         self.engine.close()

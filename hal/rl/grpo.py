@@ -193,7 +193,7 @@ class GRPORun:
         engine = open_engine(r, model, backend, self.run_dir, lambda step: _request_seed(r.seed, step, -1))
         out = []
         try:
-            seen = engine.sync(model)          # the engine starts from the trainer's (restored) weights
+            seen = engine.check(model)         # the engine starts from the trainer's (restored) weights
             for step in range(start + 1, r.steps + 1):
                 m = self._step(step, model, optimizer, engine)
                 m["resumed"] = step == start + 1 and r.resume

@@ -145,46 +145,51 @@ class VllmEngine:
 
     # -- weight sync ----------------------------------------------------------------------------
 
-    def _digests(self, rows: dict[str, int]) -> dict[str, tuple[str, int, list[int]]]:
-        reports = self.llm.collective_rpc("hal_weights_digest", kwargs={"rows": rows})
+    def _one_worker(self, method: str, **kwargs) -> dict:
+        reports = self.llm.collective_rpc(method, kwargs=kwargs)
         if len(reports) != 1:
-            raise UnsupportedError(f"vLLM engine: weight sync is checked for one worker, found {len(reports)}")
-        return {name: tuple(entry) for name, entry in reports[0].items()}
+            raise UnsupportedError(f"vLLM engine: weights are checked for one worker, found {len(reports)}")
+        return reports[0]
 
     def sync_weights(self, model: DecoderLM) -> str:
         """Copy ``model``'s weights into the engine's own buffers (vLLM's in-place ``reload_weights``), then
-        check every parameter: same storage as before, and bytes equal to the trainer's. Returns a sha256
-        over the checked parameters' digests (name order).
+        ``check_weights`` them, including that every parameter kept its storage (in place)."""
+        storage = self._one_worker("hal_weight_pointers")
+        weights = [(name, param[rows].detach()) for name, (param, rows) in hf_slices(model).items()]
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self.llm.reset_prefix_cache()       # cached K/V were computed with the old weights
+        return self.check_weights(model, storage)
+
+    def check_weights(self, model: DecoderLM, storage: dict[str, int] | None = None) -> str:
+        """Check that the engine holds ``model``'s weights byte for byte (and, given the parameters' earlier
+        ``storage`` addresses, still in the same buffers); raise ``WeightSyncError`` otherwise. Returns a
+        sha256 over the checked parameters' digests (name order).
 
         A stock engine (``binding=None``) repacks its linear weights for oneDNN and keeps no readable copy:
         those are counted in ``self.unchecked_weights`` instead of being checked; a HAL-bound engine keeps
         every weight as loaded, so everything is checked."""
         trainer = dict(model.named_parameters())
         rows = {name: p.shape[0] for name, p in trainer.items() if p.dim()}   # vLLM pads vocabulary rows to 64
-        before = self._digests(rows)
-        weights = [(name, param[rows_].detach()) for name, (param, rows_) in hf_slices(model).items()]
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-        self.llm.reset_prefix_cache()       # cached K/V were computed with the old weights
-        after = self._digests(rows)
+        engine = self._one_worker("hal_weights_digest", rows=rows)
         problems, checked, self.unchecked_weights = [], {}, []
-        if set(after) != set(trainer):
-            problems.append(f"parameter names differ: engine-only {sorted(set(after) - set(trainer))[:4]}, "
-                            f"trainer-only {sorted(set(trainer) - set(after))[:4]}")
-        for name in sorted(set(after) & set(trainer)):
-            digest, ptr, shape = after[name]
+        if set(engine) != set(trainer):
+            problems.append(f"parameter names differ: engine-only {sorted(set(engine) - set(trainer))[:4]}, "
+                            f"trainer-only {sorted(set(trainer) - set(engine))[:4]}")
+        for name in sorted(set(engine) & set(trainer)):
+            digest, ptr, shape = engine[name]
             if shape != list(trainer[name].shape):
                 if self.binding is None and shape == [0]:
                     self.unchecked_weights.append(name)
                     continue
                 problems.append(f"{name}: engine shape {shape}, trainer {list(trainer[name].shape)}")
-            elif ptr != before[name][1]:
+            elif storage is not None and ptr != storage[name]:
                 problems.append(f"{name}: not updated in place (new storage)")
             elif digest != tensor_digest(trainer[name]):
                 problems.append(f"{name}: engine bytes differ from the trainer's")
             else:
                 checked[name] = digest
         if problems:
-            raise WeightSyncError("vLLM weight sync failed: " + "; ".join(problems[:6]))
+            raise WeightSyncError("vLLM engine weights are not the trainer's: " + "; ".join(problems[:6]))
         return hashlib.sha256("".join(checked[n] for n in sorted(checked)).encode()).hexdigest()
 
     def close(self) -> None:

@@ -200,10 +200,27 @@ class HalLMHeadMethod(_HalGemm, UnquantizedEmbeddingMethod):
 # Row and pointwise ops (CustomOp out-of-tree replacements, chosen per engine at construction).
 # ---------------------------------------------------------------------------------------------
 
-class HalRMSNorm(RMSNorm):
+class _HalRouted:
+    """Mixed in before a vLLM CustomOp: ``hal`` is the engine's HalConfig (None: not HAL-bound, the stock
+    op runs), decided once at construction; every platform's forward goes to ``_hal_forward`` when bound."""
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.hal = bound_config()
+
+    def forward_native(self, *args, **kwargs):
+        return self._hal_forward(*args, **kwargs) if self.hal else super().forward_native(*args, **kwargs)
+
+    def forward_cpu(self, *args, **kwargs):
+        return self._hal_forward(*args, **kwargs) if self.hal else super().forward_cpu(*args, **kwargs)
+
+    def forward_cuda(self, *args, **kwargs):
+        return self._hal_forward(*args, **kwargs) if self.hal else super().forward_cuda(*args, **kwargs)
+
+
+class HalRMSNorm(_HalRouted, RMSNorm):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
         if self.hal is not None and (self.variance_size_override is not None or not self.has_weight):
             raise UnsupportedError("hal vLLM plugin: RMSNorm with var_hidden_size or without a weight has no "
                                    "HAL route")
@@ -218,43 +235,23 @@ class HalRMSNorm(RMSNorm):
                                              residual.reshape(-1, shape[-1]))
         return out.view(shape), new_residual.view(shape)
 
-    def forward_native(self, x, residual=None):
-        return self._hal_forward(x, residual) if self.hal else super().forward_native(x, residual)
 
-    def forward_cpu(self, x, residual=None):
-        return self._hal_forward(x, residual) if self.hal else super().forward_cpu(x, residual)
-
-    def forward_cuda(self, x, residual=None):
-        return self._hal_forward(x, residual) if self.hal else super().forward_cuda(x, residual)
+class HalSiluAndMul(_HalRouted, SiluAndMul):
+    def _hal_forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.hal.backend().silu_mul(x)
 
 
-class HalSiluAndMul(SiluAndMul):
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.hal = bound_config()
-
-    def forward_native(self, x):
-        return self.hal.backend().silu_mul(x) if self.hal else SiluAndMul.forward_native(x)
-
-    def forward_cpu(self, x):
-        return self.hal.backend().silu_mul(x) if self.hal else super().forward_cpu(x)
-
-    def forward_cuda(self, x):
-        return self.hal.backend().silu_mul(x) if self.hal else super().forward_cuda(x)
-
-
-class HalRotaryEmbedding(RotaryEmbedding):
+class HalRotaryEmbedding(_HalRouted, RotaryEmbedding):
     """Neox RoPE with ``hal.rope``'s table (the trainer's), not vLLM's torch-computed cos/sin cache."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.hal = bound_config()
         if self.hal is not None:
             if not self.is_neox_style:
                 raise UnsupportedError("hal vLLM plugin: only neox-style rotary embeddings have a HAL route")
             self.hal_table = cos_sin_cache(self.rotary_dim, self.max_position_embeddings, self.base)
 
-    def _hal_forward(self, positions, query, key):
+    def _hal_forward(self, positions, query, key=None):
         if key is None:
             raise UnsupportedError("hal vLLM plugin: rotary embedding without keys has no HAL route")
         positions = positions.flatten()
@@ -264,15 +261,6 @@ class HalRotaryEmbedding(RotaryEmbedding):
         q, k = backend.rotary(positions, query.reshape(t, -1, self.head_size), key.reshape(t, -1, self.head_size),
                               table)
         return q.reshape(query.shape), k.reshape(key.shape)
-
-    def forward_native(self, positions, query, key=None):
-        return self._hal_forward(positions, query, key) if self.hal else super().forward_native(positions, query, key)
-
-    def forward_cpu(self, positions, query, key=None):
-        return self._hal_forward(positions, query, key) if self.hal else super().forward_cpu(positions, query, key)
-
-    def forward_cuda(self, positions, query, key=None):
-        return self._hal_forward(positions, query, key) if self.hal else super().forward_cuda(positions, query, key)
 
 
 def _refusing(cls: type) -> type:

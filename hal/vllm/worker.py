@@ -5,8 +5,9 @@ multi-process engines need no insecure serialization):
 
 * ``hal_binding``: what this worker's model actually bound, found by walking its modules, not by
   trusting the config: the backend and fingerprint every routed op holds, and any op left unrouted;
-* ``hal_weights_digest``: sha256 per parameter (vLLM names, which the trainer's ``DecoderLM`` shares)
-  and the storage addresses, so a weight sync can be checked to be complete and in place.
+* ``hal_weight_pointers`` / ``hal_weights_digest``: storage addresses, and sha256 per parameter (vLLM
+  names, which the trainer's ``DecoderLM`` shares), so a weight sync can be checked to be in place
+  and complete.
 """
 
 from __future__ import annotations
@@ -45,6 +46,10 @@ class HalWorkerExtension:
                 unrouted.append(f"{name} ({kind})")
         return {"bindings": [b.to_dict() for b in sorted(bindings, key=str)], "unrouted": unrouted,
                 "pid": os.getpid()}
+
+    def hal_weight_pointers(self) -> dict:
+        """{vLLM parameter name: data_ptr}: where each weight lives (a sync must not move it)."""
+        return {name: p.data_ptr() for name, p in self._hal_model().named_parameters()}
 
     def hal_weights_digest(self, rows: dict[str, int] | None = None) -> dict:
         """{vLLM parameter name: [sha256, data_ptr, shape]} of the engine's weights; ``rows`` limits a
