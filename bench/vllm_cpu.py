@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from hal.api import create_backend
+from hal.metrics import compare_logprobs
 from hal.model.checkpoint import save_pretrained
 from hal.model.config import tiny_config
 from hal.model.model import DecoderLM
@@ -33,9 +34,8 @@ NEW_TOKENS = 26
 
 
 def compare(engine_side, trainer_side) -> dict:
-    a, b = torch.cat(engine_side), torch.cat([t.detach() for t in trainer_side])
-    return {"tokens": int(a.numel()), "mismatches": int((a.view(torch.int32) != b.view(torch.int32)).sum()),
-            "max_abs_dlogp": float((a.double() - b.double()).abs().max())}
+    c = compare_logprobs(trainer_side, engine_side)      # the metric `hal run` reports
+    return {"tokens": c.num_tokens, "mismatches": c.mismatches, "max_abs_dlogp": c.max_abs_diff}
 
 
 def run(architecture: str, dtype: str, hal: bool, workdir: Path) -> dict:
