@@ -22,6 +22,8 @@ Launch choices that give the same bits, chosen per call for speed only:
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -106,26 +108,45 @@ def _combine_kernel(partial_ptr, bias_ptr, out_ptr, M, N, CHUNKS, stride_om, str
     tl.store(out_ptr + (offs // N) * stride_om + n * stride_on, to_activation(total, OUT_BF16), mask=mask)
 
 
-def _config(m: int, n: int, k: int, k_chunk: int) -> dict:
-    """Tiling per shape: free (does not change the bits), chosen for speed on the H200 by a small
-    sweep (bench/speed_sweep.py; bench/results/h200-2026-11-29-speed)."""
+def _config(m: int, n: int, k: int, k_chunk: int, tma: bool, sms: int) -> dict:
+    """Tiling per shape: free (does not change the bits), chosen for speed on the H200 by two small
+    sweeps (bench/speed_sweep.py; bench/results/h200-2026-11-29-speed, call 1 and call 6).
+    ``tma``: descriptor loads are possible (bf16, aligned); ``sms``: the GPU's multiprocessors.
+    Each small-M rule keeps the grid within one wave of two programs per multiprocessor: a
+    second, partial wave cost up to 25% (N = 14336 with 32-wide tiles: 448 programs)."""
     chunks = triton.cdiv(k, k_chunk)
     base = dict(split=False, chunks_per_program=1, GROUP_M=1, tma=False)
     if INTERPRET:
         return dict(base, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, split=chunks > 1 and m <= 16, num_warps=4,
                     num_stages=1)
     wide = n > 16384  # lm_head: enough N tiles to fill the GPU at any M
+    one_wave_of_32 = triton.cdiv(n, 32) <= 2 * sms
     if m <= 16:
-        # Weight-read bound: thin N tiles (enough programs for 132 SMs), a deep K pipeline.
-        return dict(base, BLOCK_M=16, BLOCK_N=64 if wide else 32, BLOCK_K=128 if wide else 256, num_warps=4,
-                    num_stages=5 if wide else 4)
+        # Weight-read bound: thin N tiles (enough programs for every multiprocessor), a deep K pipeline.
+        if one_wave_of_32:
+            return dict(base, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=4)
+        return dict(base, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=5)
     if m <= 64:
+        if tma and not wide:  # descriptor loads: 44 registers instead of 228, and the MMAs overlap
+            if one_wave_of_32:
+                return dict(base, BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, tma=True, num_warps=4, num_stages=6)
+            return dict(base, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, tma=True, num_warps=4, num_stages=6)
         return dict(base, BLOCK_M=64, BLOCK_N=64 if wide else 32, BLOCK_K=64 if wide else 128, num_warps=4,
                     num_stages=4)
-    # MMA bound: TMA loads (fewer registers and instructions than pointer loads, which the second
-    # fp32 accumulator needs), 128-row tiles of two warpgroups, grouped for L2 reuse.
-    return dict(base, BLOCK_M=128, BLOCK_N=256 if wide else 128, BLOCK_K=64, GROUP_M=8, tma=True, num_warps=8,
-                num_stages=3 if wide else 4)
+    if not tma:  # fp32 (or unaligned) operands: pointer loads, the tiles their registers allow
+        return dict(base, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4)
+    if triton.cdiv(m, 64) * triton.cdiv(n, 64) <= 2 * sms:
+        # Up to M = 256 at N = 4096: 64 x 64 tiles fill the GPU where 128-row tiles leave it half idle.
+        return dict(base, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, tma=True, num_warps=4, num_stages=6)
+    # MMA bound: 128 x 256 tiles on two warpgroups. The contract's second fp32 accumulator makes
+    # them spill a little (255 registers + 48 bytes of stack), yet they beat 128 x 128 by 4-6%
+    # (fewer L2 reads per MMA).
+    return dict(base, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, tma=True, num_warps=8, num_stages=3)
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def _tma_ok(t: torch.Tensor) -> bool:
@@ -144,7 +165,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out
         return out
     if k == 0:
         return out.copy_((bias.float() if bias is not None else torch.zeros(n, device=x.device)).expand(m, n))
-    cfg = _config(m, n, k, k_chunk)
+    tma_ok = not INTERPRET and _tma_ok(x) and _tma_ok(weight)
+    cfg = _config(m, n, k, k_chunk, tma_ok, 0 if INTERPRET else _multiprocessors(x.device.index or 0))
     if config:
         cfg.update(config)
     if k_chunk % cfg["BLOCK_K"]:
@@ -155,7 +177,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out
     bias_arg = bias if bias is not None else out
     partial = torch.empty((chunks, m, n), device=x.device, dtype=torch.float32) if split else out
     # "tma" asks for descriptor loads where the tensors allow them (the bits are the same).
-    tma = cfg["tma"] and not split and not INTERPRET and _tma_ok(x) and _tma_ok(weight)
+    tma = cfg["tma"] and not split and tma_ok
     if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
