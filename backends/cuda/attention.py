@@ -147,6 +147,20 @@ def _merge(big_m, big_l, big_a, m, l, acc, merging):
 
 
 @triton.jit
+def _end_of_chunk(big_m, big_l, big_a, m, l, acc, n0, q_row_ok, positions, BLOCK_N: tl.constexpr,
+                  KV_SPLIT: tl.constexpr):
+    """After the chunk at n0 of an in-kernel walk over all splits: if it was its split's last
+    chunk, merge the split into (M, L, A) (rows that see the split) and restart the split state."""
+    if (n0 + BLOCK_N) % KV_SPLIT == 0:
+        merging = q_row_ok & (positions >= n0 + BLOCK_N - KV_SPLIT)
+        big_m, big_l, big_a = _merge(big_m, big_l, big_a, m, l, acc, merging)
+        m = tl.full(m.shape, float("-inf"), dtype=tl.float32)
+        l = tl.zeros(l.shape, dtype=tl.float32)
+        acc = tl.zeros(acc.shape, dtype=tl.float32)
+    return big_m, big_l, big_a, m, l, acc
+
+
+@triton.jit
 def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_a_ptr, part_pos_ptr,
                       query_start_ptr, seq_lens_ptr, block_table_ptr, num_seqs, num_tiles,
                       stride_qt, stride_qh, stride_bt, stride_kp, stride_kr, stride_kh, stride_ot, stride_oh,
@@ -204,23 +218,15 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part
                            block_table_ptr, stride_bt, stride_kp, stride_kr, stride_kh, scale_log2e, offs_d,
                            PAGE_SIZE, BLOCK_N, IS_BF16, UPCAST, False)
         if not SPLIT_PARALLEL:
-            if (n0 + BLOCK_N) % KV_SPLIT == 0:  # the split's last chunk
-                merging = q_row_ok & (positions >= n0 + BLOCK_N - KV_SPLIT)
-                big_m, big_l, big_a = _merge(big_m, big_l, big_a, m, l, acc, merging)
-                m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
-                l = tl.zeros((BLOCK_M,), dtype=tl.float32)
-                acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
+            big_m, big_l, big_a, m, l, acc = _end_of_chunk(big_m, big_l, big_a, m, l, acc, n0, q_row_ok, positions,
+                                                           BLOCK_N, KV_SPLIT)
     for n0 in range(full_end, hi, BLOCK_N):
         m, l, acc = _chunk(q, m, l, acc, n0, b, kvh, positions, seq_len, q_row_ok, ones, k_cache_ptr, v_cache_ptr,
                            block_table_ptr, stride_bt, stride_kp, stride_kr, stride_kh, scale_log2e, offs_d,
                            PAGE_SIZE, BLOCK_N, IS_BF16, UPCAST, True)
         if not SPLIT_PARALLEL:
-            if (n0 + BLOCK_N) % KV_SPLIT == 0:
-                merging = q_row_ok & (positions >= n0 + BLOCK_N - KV_SPLIT)
-                big_m, big_l, big_a = _merge(big_m, big_l, big_a, m, l, acc, merging)
-                m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
-                l = tl.zeros((BLOCK_M,), dtype=tl.float32)
-                acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
+            big_m, big_l, big_a, m, l, acc = _end_of_chunk(big_m, big_l, big_a, m, l, acc, n0, q_row_ok, positions,
+                                                           BLOCK_N, KV_SPLIT)
 
     if SPLIT_PARALLEL:
         store_ok = q_row_ok & (positions >= lo)
