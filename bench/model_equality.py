@@ -36,7 +36,13 @@ def sync() -> None:
 
 def run(backend_name: str, model: DecoderLM, requests, harness_cfg) -> dict:
     model.backend = create_backend(backend_name)
+    # The first rollout also compiles every Triton kernel it meets (seconds): timed apart as "cold";
+    # the second, on the same requests, is the throughput ("rollout"). Same for training below.
     sync()
+    start = time.perf_counter()
+    RolloutHarness(model, harness_cfg).generate(requests)
+    sync()
+    cold_rollout_s = time.perf_counter() - start
     start = time.perf_counter()
     completions = RolloutHarness(model, harness_cfg).generate(requests)
     sync()
@@ -48,17 +54,22 @@ def run(backend_name: str, model: DecoderLM, requests, harness_cfg) -> dict:
     # training forward + backward throughput on the same sequences
     sequences = [c.sequence for c in completions]
     starts = [len(c.request.prompt) for c in completions]
-    sync()
-    start = time.perf_counter()
-    for group in range(0, len(sequences), 16):
-        logprobs = model.sequence_logprobs(sequences[group:group + 16], starts[group:group + 16])
-        (-torch.cat(logprobs).sum()).backward()
-    sync()
-    train_s = time.perf_counter() - start
+    def train_pass() -> float:
+        sync()
+        start = time.perf_counter()
+        for group in range(0, len(sequences), 16):
+            logprobs = model.sequence_logprobs(sequences[group:group + 16], starts[group:group + 16])
+            (-torch.cat(logprobs).sum()).backward()
+        sync()
+        return time.perf_counter() - start
+
+    cold_train_s = train_pass()
+    train_s = train_pass()
     model.zero_grad(set_to_none=True)
     return dict(backend=backend_name, generated_tokens=generated, rollout_s=rollout_s,
-                rollout_tokens_per_s=generated / rollout_s, train_tokens=sum(map(len, sequences)),
-                train_fwd_bwd_s=train_s, train_tokens_per_s=sum(map(len, sequences)) / train_s,
+                rollout_tokens_per_s=generated / rollout_s, cold_rollout_s=cold_rollout_s,
+                train_tokens=sum(map(len, sequences)), train_fwd_bwd_s=train_s,
+                train_tokens_per_s=sum(map(len, sequences)) / train_s, cold_train_fwd_bwd_s=cold_train_s,
                 comparison=cmp.as_dict())
 
 
@@ -88,7 +99,8 @@ def main() -> int:
         r = results[name]
         print(f"{name:<6} mismatching tokens {r['comparison']['mismatches']}/{r['comparison']['num_tokens']}, "
               f"max |dlogp| {r['comparison']['max_abs_diff']:.3g}, k3 {r['comparison']['k3_kl']:.3g}, "
-              f"rollout {r['rollout_tokens_per_s']:.0f} tok/s, train fwd+bwd {r['train_tokens_per_s']:.0f} tok/s",
+              f"rollout {r['rollout_tokens_per_s']:.0f} tok/s (first run {r['cold_rollout_s']:.1f} s, this {r['rollout_s']:.1f} s), "
+              f"train fwd+bwd {r['train_tokens_per_s']:.0f} tok/s (first pass {r['cold_train_fwd_bwd_s']:.1f} s)",
               flush=True)
     ours = results[contract_backend]
     results["ratios"] = dict(rollout=ours["rollout_tokens_per_s"] / results["torch"]["rollout_tokens_per_s"],

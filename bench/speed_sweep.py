@@ -26,6 +26,7 @@ from triton.runtime.errors import OutOfResources
 import cuda_v0.attention as v0_attention
 import cuda_v0.gemm as v0_gemm
 import cuda_v0.logprobs as v0_logprobs
+import lab.gemm_persistent as gemm_persistent
 from hal.api import create_backend
 from hal.backends.cuda import attention, gemm, logprobs
 from hal.kvcache import build_metadata
@@ -38,6 +39,11 @@ def bench(fn, rep_ms: int = 40) -> float:
     if GRAPH:
         return triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median")
     return triton.testing.do_bench(fn, warmup=10, rep=rep_ms, return_mode="median")
+
+
+def eager(fn) -> float:
+    """Eager timing, for code that syncs with the host (the first attention kernels: no graph capture)."""
+    return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
 
 
 def host_us(fn, calls: int = 200) -> float:
@@ -61,36 +67,50 @@ def graph_ms(fn) -> float:
         return float("nan")
 
 
+def _v(bm, bn, bk, warps, stages, **kw):
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, **kw)
+
+
+# Second sweep (call 6): TMA at every M, thinner/wider tiles against wave quantisation, and the
+# persistent kernel of bench/lab (``persistent``: a fixed number of programs walks the tiles).
+# First sweep (call 1): bench/results/h200-2026-11-29-speed/sweep_call1.json.
 GEMM_VARIANTS = {
-    "small": [dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, split=False, num_warps=4, num_stages=4),
-              dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, split=False, num_warps=4, num_stages=5),
-              dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, split=False, num_warps=4, num_stages=6),
-              dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, split=True, chunks_per_program=1, num_warps=4, num_stages=4),
-              dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, split=True, chunks_per_program=2, num_warps=4,
-                   num_stages=4)],
-    "m64": [dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, split=False, num_warps=4, num_stages=4),
-            dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, split=False, num_warps=4, num_stages=4),
-            dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, split=True, chunks_per_program=1, num_warps=4, num_stages=4),
-            dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, split=False, num_warps=4, num_stages=3)],
-    # TMA: tensor-descriptor loads (gemm.py); first tried here as a separate experimental kernel.
-    "m256": [dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, split=False, GROUP_M=8, num_warps=4, num_stages=4),
-             dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, split=False, GROUP_M=8, num_warps=4, num_stages=4),
-             dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, split=False, GROUP_M=8, num_warps=4, num_stages=4),
-             dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, split=False, GROUP_M=8, num_warps=8, num_stages=4),
-             dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, tma=True, num_warps=8, num_stages=4),
-             dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, tma=True, num_warps=8, num_stages=3),
-             dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, tma=True, num_warps=8, num_stages=3)],
-    "large": [dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, split=False, GROUP_M=8, num_warps=8, num_stages=4),
-              dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, split=False, GROUP_M=8, num_warps=8, num_stages=3),
-              dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, split=False, GROUP_M=8, num_warps=8, num_stages=3),
-              dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, split=False, GROUP_M=8, num_warps=8, num_stages=3),
-              dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, tma=True, num_warps=8, num_stages=4),
-              dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, tma=True, num_warps=8, num_stages=3),
-              dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, tma=True, num_warps=8, num_stages=3)],
+    "small": [_v(16, 32, 256, 4, 4), _v(16, 16, 256, 4, 4), _v(16, 16, 256, 4, 6), _v(16, 64, 128, 4, 5),
+              _v(16, 64, 128, 4, 6), _v(16, 16, 512, 4, 4), _v(16, 32, 256, 4, 4, tma=True),
+              _v(16, 64, 128, 4, 6, tma=True), _v(16, 16, 256, 4, 6, tma=True)],
+    "m64": [_v(64, 32, 128, 4, 4), _v(64, 32, 128, 4, 4, tma=True), _v(64, 32, 128, 4, 6, tma=True),
+            _v(64, 64, 64, 4, 6, tma=True), _v(64, 64, 128, 4, 4, tma=True), _v(64, 128, 64, 4, 4, tma=True),
+            _v(64, 16, 256, 4, 4, tma=True)],
+    "m256": [_v(128, 128, 64, 8, 4, GROUP_M=8, tma=True), _v(64, 128, 64, 4, 3, GROUP_M=8, tma=True),
+             _v(64, 128, 64, 4, 4, GROUP_M=8, tma=True), _v(64, 64, 64, 4, 6, GROUP_M=8, tma=True),
+             _v(64, 64, 128, 4, 4, GROUP_M=8, tma=True), _v(128, 64, 64, 4, 4, GROUP_M=8, tma=True),
+             _v(128, 64, 64, 4, 3, GROUP_M=8, tma=True),
+             _v(64, 128, 64, 4, 4, GROUP_M=8, persistent=True, flatten=True, per_sm=2),
+             _v(128, 256, 64, 8, 3, GROUP_M=8, tma=True)],
+    "large": [_v(128, 128, 64, 8, 4, GROUP_M=8, tma=True), _v(128, 128, 64, 8, 3, GROUP_M=8, tma=True),
+              _v(64, 128, 64, 4, 3, GROUP_M=8, tma=True), _v(64, 128, 64, 4, 4, GROUP_M=8, tma=True),
+              _v(128, 64, 64, 4, 4, GROUP_M=8, tma=True), _v(128, 256, 64, 8, 3, GROUP_M=8, tma=True),
+              _v(128, 128, 64, 8, 4, GROUP_M=16, tma=True),
+              _v(128, 128, 64, 8, 3, GROUP_M=8, persistent=True, flatten=True),
+              _v(128, 128, 64, 8, 4, GROUP_M=8, persistent=True, flatten=True),
+              _v(128, 128, 64, 8, 4, GROUP_M=8, persistent=True, flatten=False)],
 }
-for _variants in GEMM_VARIANTS.values():  # pointer loads unless a variant asks for TMA
+for _variants in GEMM_VARIANTS.values():  # pointer loads, direct launch unless a variant asks otherwise
     for _cfg in _variants:
         _cfg.setdefault("tma", False)
+        _cfg.setdefault("split", False)
+        _cfg.setdefault("GROUP_M", 1)
+
+
+def run_variant(x, w, out_dtype, k_chunk, cfg):
+    if cfg.get("persistent"):
+        return gemm_persistent.linear(x, w, out_dtype, k_chunk, cfg)
+    return gemm.linear(x, w, None, out_dtype, k_chunk, cfg)
+
+
+def _times(row) -> str:
+    """Every variant's time in microseconds, in the order of the variant list ('-' = did not run)."""
+    return " ".join(f"{v['ms'] * 1e3:.1f}" if v["ms"] == v["ms"] else "-" for v in row["variants"])
 
 
 def mm_args(pair):
@@ -102,9 +122,9 @@ def _class(m: int) -> str:
     return "small" if m <= 16 else "m64" if m <= 64 else "m256" if m <= 256 else "large"
 
 
-def gemm_sweep(k_chunk, ms):
+def gemm_sweep(k_chunk, ms, pairs):
     rows = []
-    for n, k in [(4096, 4096), (14336, 4096), (4096, 14336), (152064, 4096)]:
+    for n, k in pairs:
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
         ws = [w] + [w.clone() for _ in range(3 if n * k * 2 < (120 << 20) else 0)]  # graph replays: not from L2
         out_dtype = torch.float32 if n == 152064 else torch.bfloat16
@@ -122,8 +142,8 @@ def gemm_sweep(k_chunk, ms):
             row["variants"] = []
             for cfg in GEMM_VARIANTS[_class(m)]:
                 try:
-                    same = torch.equal(gemm.linear(xs[0], w, None, out_dtype, k_chunk, cfg), ref)
-                    t = bench(lambda: gemm.linear(*pairs[next(it) % 4], None, out_dtype, k_chunk, cfg))
+                    same = torch.equal(run_variant(xs[0], w, out_dtype, k_chunk, cfg), ref)
+                    t = bench(lambda: run_variant(*pairs[next(it) % 4], out_dtype, k_chunk, cfg))
                 except OutOfResources as exc:
                     same, t = None, float("nan")
                     print("out of resources", cfg, str(exc)[:100])
@@ -132,8 +152,8 @@ def gemm_sweep(k_chunk, ms):
             best = min((v for v in row["variants"] if v["ms"] == v["ms"]), key=lambda v: v["ms"])
             print(f"gemm {row['shape']:<24} cublas {row['stock_ms']:.4f} v0 {row['v0_ms']:.4f} default "
                   f"{row['default_ms']:.4f} best {best['ms']:.4f} ({best['cfg']}) ratio {row['stock_ms'] / best['ms']:.2f}"
-                  f" all_equal={all(v['equal_v0'] for v in row['variants'] if v['equal_v0'] is not None)}",
-                  flush=True)
+                  f" all_equal={all(v['equal_v0'] for v in row['variants'] if v['equal_v0'] is not None)}"
+                  f" | us: {_times(row)}", flush=True)
             rows.append(row)
         del w, ws
     return rows
@@ -165,9 +185,11 @@ def attention_sweep(spec):
         with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
             stock = bench(lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True))
         ref = v0_attention.paged_attention(*args)
-        row = dict(op="prefill", shape=f"L={seq}", stock_ms=stock, v0_ms=bench(lambda: v0_attention.paged_attention(*args)),
+        row = dict(op="prefill", shape=f"L={seq}", stock_ms=stock, v0_ms=eager(lambda: v0_attention.paged_attention(*args)),
                    variants=[])
-        for bq, warps, stages in [(16, 4, 2), (32, 8, 2), (32, 8, 3), (16, 4, 3)]:
+        # 64 rows on 8 warps: two warpgroups split the head dim (229 registers, no spills, by the
+        # local sm_90 compile) where 4 warps spill (255 + 160 bytes of stack).
+        for bq, warps, stages in [(16, 4, 2), (16, 8, 2), (16, 8, 3), (8, 4, 2), (32, 8, 2)]:
             lc = dict(block_q=bq, num_warps=warps, num_stages=stages)
             try:
                 same = torch.equal(attention.paged_attention(*args, **lc), ref)
@@ -179,7 +201,8 @@ def attention_sweep(spec):
         best = min((v for v in row["variants"] if v["ms"] == v["ms"]), key=lambda v: v["ms"])
         print(f"prefill L={seq:<6} sdpa {stock:.4f} v0 {row['v0_ms']:.4f} best {best['ms']:.4f} {best['cfg']} "
               f"ratio {stock / best['ms']:.2f} {flops / best['ms'] / 1e9:.0f} TFLOP/s "
-              f"all_equal={all(v['equal_v0'] for v in row['variants'] if v['equal_v0'] is not None)}", flush=True)
+              f"all_equal={all(v['equal_v0'] for v in row['variants'] if v['equal_v0'] is not None)} | us: {_times(row)}",
+              flush=True)
         rows.append(row)
     for batch, ctx in [(1, 4096), (1, 32768), (8, 4096), (8, 32768), (64, 4096), (64, 32768)]:
         q, kc, vc, meta = _paged([ctx] * batch, [1] * batch, hq, hkv, d, 16)
@@ -191,9 +214,9 @@ def attention_sweep(spec):
         stock = bench(lambda: F.scaled_dot_product_attention(qs, ks, vs, enable_gqa=True))
         ref = v0_attention.paged_attention(*args)
         row = dict(op="decode", shape=f"B={batch} ctx={ctx}", stock_ms=stock,
-                   v0_ms=bench(lambda: v0_attention.paged_attention(*args)), variants=[])
-        for sp, stages in [(True, 3), (True, 5), (True, 6), (False, 5)]:
-            lc = dict(split_parallel=sp, num_stages=stages)
+                   v0_ms=eager(lambda: v0_attention.paged_attention(*args)), variants=[])
+        # (Call 7 also timed a merge kernel loading 8 or 16 splits at once: 4-10% slower, dropped.)
+        for lc in [dict(), dict(num_stages=6), dict(num_stages=4), dict(num_warps=8)]:
             same = torch.equal(attention.paged_attention(*args, **lc), ref)
             t = bench(lambda: attention.paged_attention(*args, **lc))
             row["variants"].append(dict(cfg=lc, ms=t, equal_v0=same))
@@ -203,7 +226,8 @@ def attention_sweep(spec):
         row["host_us"] = host_us(lambda: attention.paged_attention(*args, **best["cfg"]))
         print(f"decode {row['shape']:<16} sdpa {stock:.4f} v0 {row['v0_ms']:.4f} best {best['ms']:.4f} {best['cfg']} "
               f"ratio {stock / best['ms']:.2f} {kv_bytes / best['ms'] / 1e6:.0f} GB/s graph {row['graph_ms']:.4f} "
-              f"host {row['host_us']:.0f}us all_equal={all(v['equal_v0'] for v in row['variants'])}", flush=True)
+              f"host {row['host_us']:.0f}us all_equal={all(v['equal_v0'] for v in row['variants'])} | us: {_times(row)}",
+              flush=True)
         rows.append(row)
     return rows
 
@@ -250,6 +274,7 @@ def main() -> int:
     parser.add_argument("--only", default="overhead,gemm,attention,logprobs")
     parser.add_argument("--graph", action="store_true", help="time variants by CUDA-graph replay (device time)")
     parser.add_argument("--ms", default="1,16,64,256,1024,4096,8192", help="GEMM M values")
+    parser.add_argument("--nk", default="4096x4096,14336x4096,4096x14336,152064x4096", help="GEMM (N, K) pairs")
     args = parser.parse_args()
     global GRAPH
     GRAPH = args.graph
@@ -259,7 +284,8 @@ def main() -> int:
     steps = {"overhead": lambda: overhead_rows(contract.gemm.k_chunk),
              "logprobs": lambda: logprob_sweep(contract.logprobs.vocab_chunk),
              "attention": lambda: attention_sweep(contract.attention),
-             "gemm": lambda: gemm_sweep(contract.gemm.k_chunk, [int(m) for m in args.ms.split(",")])}
+             "gemm": lambda: gemm_sweep(contract.gemm.k_chunk, [int(m) for m in args.ms.split(",")],
+                                        [tuple(int(v) for v in nk.split("x")) for nk in args.nk.split(",")])}
     for name in args.only.split(","):
         rows += steps[name]()
         print(f"{name} done at {time.time() - start:.0f}s", flush=True)

@@ -1,0 +1,126 @@
+"""Compile the cuda backend's GEMM and attention kernels for Hopper (sm_90) on a machine without a
+GPU, and report what the compiler made of each launch shape: registers per thread, spill stack,
+shared memory, wgmma instructions and the wgmma wait depths in the PTX.
+
+This is how the configs in gemm.py and attention.py were screened before spending GPU time
+(e.g. "TMA loads at M = 64: 44 registers instead of 228, and the MMAs overlap"; "128 x 256 GEMM
+tiles spill 48 bytes"). Numbers depend on the Triton version: the H200 image has Triton 3.6.0,
+so install that version for numbers that match the GPU (a separate venv is enough: it needs
+torch, triton 3.6.0 and this package; ptxas and cuobjdump come with Triton's wheel):
+
+    python -m venv .venv-sm90 && .venv-sm90/bin/pip install torch==2.13.0 triton==3.6.0 stevedore pyyaml
+    .venv-sm90/bin/pip install --no-deps -e . && .venv-sm90/bin/python bench/sm90_report.py
+
+Arguments get the 16-divisibility the JIT infers from real calls (aligned pointers, strides and
+sizes that are multiples of 16), except those named as not divisible per kernel below; without
+it the compiler cannot vectorise loads and the report would describe a kernel nobody runs.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from hal.backends.cuda import attention, gemm
+
+HOPPER = GPUTarget("cuda", 90, 32)
+TOOLS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+
+
+def compile_for_hopper(kernel, types: dict, constants: dict, num_warps: int, num_stages: int, not16=()):
+    """types: argument name -> Triton type string, for every non-constexpr argument."""
+    signature, attrs = {}, {}
+    for index, name in enumerate(kernel.arg_names):
+        if name in constants:
+            signature[name] = "constexpr"
+            continue
+        signature[name] = types[name]
+        if name not in not16 and not types[name].startswith(("fp", "tensordesc")):
+            attrs[(index,)] = [["tt.divisibility", 16]]
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs)
+    return triton.compile(source, target=HOPPER, options=dict(num_warps=num_warps, num_stages=num_stages,
+                                                              enable_fp_fusion=False))
+
+
+def report(compiled) -> dict:
+    ptx = compiled.asm["ptx"]
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        usage = subprocess.run([os.path.join(TOOLS, "cuobjdump"), "--dump-resource-usage", cubin.name],
+                               capture_output=True, text=True, check=True).stdout
+    found = re.search(r"REG:(\d+).*?STACK:(\d+)", usage)
+    return dict(registers=int(found.group(1)), spill_stack_bytes=int(found.group(2)),
+                shared_bytes=compiled.metadata.shared, wgmma=len(re.findall(r"wgmma\.mma_async", ptx)),
+                wgmma_waits=" ".join(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)) or "-")
+
+
+GEMM_TYPES = dict(bias_ptr="*bf16", out_ptr="*bf16", partial_ptr="*fp32", M="i32", N="i32", K="i32",
+                  stride_xm="i32", stride_xk="i32", stride_wn="i32", stride_wk="i32", stride_om="i32",
+                  stride_on="i32")
+
+
+def gemm_rows(sms: int = 132):
+    """The launch shape gemm._config picks for each (M, N, K) of the benchmark, bf16, K chunk 512."""
+    seen = set()
+    for n, k in [(4096, 4096), (14336, 4096), (4096, 14336), (152064, 4096)]:
+        for m in (1, 64, 256, 4096):
+            cfg = gemm._config(m, n, k, 512, tma=True, sms=sms)
+            key = tuple(sorted(cfg.items()))
+            if key in seen:
+                continue
+            seen.add(key)
+            bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+            types = dict(GEMM_TYPES, x=f"tensordesc<bf16[{bm}, {bk}]>" if cfg["tma"] else "*bf16",
+                         w=f"tensordesc<bf16[{bn}, {bk}]>" if cfg["tma"] else "*bf16")
+            constants = dict(K_CHUNK=512, SPLIT=False, CHUNKS_PER_PROGRAM=1, HAS_BIAS=False, OUT_BF16=n <= 16384,
+                             FP32_INPUTS=False, UPCAST=False, TMA=cfg["tma"], BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                             GROUP_M=cfg["GROUP_M"])
+            if n > 16384:
+                types["out_ptr"] = "*fp32"
+            compiled = compile_for_hopper(gemm._gemm_kernel, types, constants, cfg["num_warps"], cfg["num_stages"],
+                                          not16=("M", "stride_xk", "stride_wk", "stride_on"))
+            name = f"gemm M={m} N={n} K={k}: {bm}x{bn}x{bk} w{cfg['num_warps']} s{cfg['num_stages']}"
+            yield name + (" TMA" if cfg["tma"] else " pointer"), report(compiled)
+
+
+ATTENTION_TYPES = dict(q_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16", out_ptr="*bf16",
+                       part_m_ptr="*fp32", part_l_ptr="*fp32", part_a_ptr="*fp32", part_pos_ptr="*i32",
+                       query_start_ptr="*i32", seq_lens_ptr="*i32", block_table_ptr="*i32", num_seqs="i32",
+                       num_tiles="i32", stride_qt="i32", stride_qh="i32", stride_bt="i32", stride_kp="i32",
+                       stride_kr="i32", stride_kh="i32", stride_ot="i32", stride_oh="i32", num_q_heads="i32",
+                       max_splits="i32", scale_log2e="fp32", group="i32")
+
+
+def attention_rows():
+    """Prefill (64-key pages) and decode (16-key pages) of 32 query / 8 KV heads of 128, bf16."""
+    for phase, tokens, seqs, page in [("prefill", 4096, 1, 64), ("decode", 8, 8, 16)]:
+        shape = attention._launch_shape(tokens, seqs, group_pad=4)
+        constants = dict(PAGE_SIZE=page, KV_SPLIT=512, GROUP_PAD=4, BLOCK_Q=shape["block_q"], HEAD_DIM=128,
+                         SPLIT_PARALLEL=shape["decode"], IS_BF16=True, UPCAST=False, BLOCK_N=64,
+                         BLOCK_B=attention.BLOCK_B)
+        compiled = compile_for_hopper(attention._attention_kernel, ATTENTION_TYPES, constants, shape["num_warps"],
+                                      shape["num_stages"],
+                                      not16=("num_seqs", "num_tiles", "group", "max_splits", "num_q_heads"))
+        yield (f"attention {phase}: {shape['block_q'] * 4} rows w{shape['num_warps']} s{shape['num_stages']}",
+               report(compiled))
+
+
+def main() -> int:
+    print(f"triton {triton.__version__} (the H200 image has 3.6.0), target sm_90", flush=True)
+    print(f"{'kernel and launch shape':<58} {'regs':>5} {'spill B':>8} {'smem KB':>8} {'wgmma':>6}  waits")
+    for name, r in [*gemm_rows(), *attention_rows()]:
+        print(f"{name:<58} {r['registers']:>5} {r['spill_stack_bytes']:>8} {r['shared_bytes'] / 1024:>8.1f} "
+              f"{r['wgmma']:>6}  {r['wgmma_waits']}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
