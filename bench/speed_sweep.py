@@ -1,14 +1,15 @@
-"""Small sweep of launch shapes for the cuda kernels on the H200: the evidence behind the per-shape
+"""Sweep of launch shapes for the cuda kernels on the H200: the evidence behind the per-shape
 configs in gemm.py and attention.py. Every variant's output is checked bitwise against the first
 measured kernels (bench/cuda_v0) on the same inputs, then timed next to them and the stock ops.
 
 Variants are few on purpose (each is a separate compile, ~1-2 s): picked by reasoning about the
-shape (weight-read bound small M, MMA-bound large M; decode streaming KV, prefill MMA-bound).
-Small shapes are host-bound in eager timing (Triton's Python launch path): ``--graph`` times
-them by device time instead.
+shape (weight-read bound small M, MMA-bound large M; decode streaming KV, prefill MMA-bound) and
+screened without a GPU by bench/sm90_report.py. Small shapes are host-bound in eager timing
+(Triton's Python launch path): ``--graph`` times them by device time instead; the ``overhead``
+step measures the host cost per call.
 
-    python bench/speed_sweep.py --json sweep.json
-    python bench/speed_sweep.py --json sweep_graph.json --graph --only gemm,attention --ms 1,16,64
+    cd bench && python3 speed_sweep.py --graph --only gemm,attention --json sweep.json
+    cd bench && python3 speed_sweep.py --only overhead --json overhead.json
 """
 
 from __future__ import annotations
@@ -252,18 +253,30 @@ def logprob_sweep(chunk):
 
 
 def overhead_rows(k_chunk):
-    """Host cost per call vs device time, at sizes where the device is fast."""
+    """Host cost per call vs device time, at sizes where the device is fast; at M = 64 the same
+    tiles with descriptor (TMA) and pointer loads, and building the two descriptors alone."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
     rows = []
-    w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
-    x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    bf = torch.bfloat16
+    w = torch.randn(4096, 4096, device="cuda", dtype=bf)
+    x = torch.randn(1, 4096, device="cuda", dtype=bf)
+    x64 = torch.randn(64, 4096, device="cuda", dtype=bf)
+    tma = dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, tma=True, num_warps=4, num_stages=6)
+    pointer = dict(tma, tma=False, num_stages=4)
     backend = create_backend("cuda")
     for name, fn in [("torch.mm M=1", lambda: torch.mm(x, w.T)),
-                     ("gemm.linear M=1", lambda: gemm.linear(x, w, None, torch.bfloat16, k_chunk)),
+                     ("gemm.linear M=1", lambda: gemm.linear(x, w, None, bf, k_chunk)),
                      ("backend.linear M=1", lambda: backend.linear(x, w)),
-                     ("v0 linear M=1", lambda: v0_gemm.linear(x, w, None, torch.bfloat16, k_chunk)),
+                     ("v0 linear M=1", lambda: v0_gemm.linear(x, w, None, bf, k_chunk)),
+                     ("torch.mm M=64", lambda: torch.mm(x64, w.T)),
+                     ("gemm.linear M=64 TMA", lambda: gemm.linear(x64, w, None, bf, k_chunk, tma)),
+                     ("gemm.linear M=64 pointer", lambda: gemm.linear(x64, w, None, bf, k_chunk, pointer)),
+                     ("2 descriptors", lambda: (TensorDescriptor.from_tensor(x64, [64, 128]),
+                                                TensorDescriptor.from_tensor(w, [32, 128]))),
                      ("torch.empty", lambda: torch.empty(16, device="cuda"))]:
         rows.append(dict(op="overhead", shape=name, host_us=host_us(fn), graph_ms=graph_ms(fn), ms=bench(fn)))
-        print(f"overhead {name:<22} host {rows[-1]['host_us']:.1f}us graph {rows[-1]['graph_ms'] * 1e3:.1f}us "
+        print(f"overhead {name:<26} host {rows[-1]['host_us']:.1f}us graph {rows[-1]['graph_ms'] * 1e3:.1f}us "
               f"eager {rows[-1]['ms'] * 1e3:.1f}us", flush=True)
     return rows
 
