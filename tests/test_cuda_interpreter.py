@@ -144,3 +144,46 @@ def test_conformance_kit_tiny_passes_on_cuda_under_the_interpreter(tmp_path):
     assert data["summary"]["ok"] and data["header"]["device"] == "cpu (triton interpreter)"
     levels = {level for cells in data["results"].values() for level in cells}
     assert levels == {"1", "2", "3", "4", "5", "6"}
+
+
+HOPPER_SHARED_BYTES = 227 * 1024  # per block, sm_90
+
+
+def _launch_problems(cfg: dict, k_chunk: int, tma_allowed: bool) -> list[str]:
+    """What would make a GEMM launch shape fail on an H100/H200 or break the contract."""
+    problems = []
+    if k_chunk % cfg["BLOCK_K"]:
+        problems.append(f"BLOCK_K {cfg['BLOCK_K']} does not divide k_chunk {k_chunk}")
+    if cfg["tma"] and not tma_allowed:
+        problems.append("descriptor loads for operands that cannot have them")
+    for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K"):
+        if cfg[name] & (cfg[name] - 1):
+            problems.append(f"{name} {cfg[name]} is not a power of two")
+    if cfg["tma"]:
+        if max(cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]) > 256:
+            problems.append("a descriptor box dimension above 256")
+        # descriptor loads keep num_stages (BLOCK_M + BLOCK_N) x BLOCK_K bf16 tiles in shared memory
+        shared = cfg["num_stages"] * (cfg["BLOCK_M"] + cfg["BLOCK_N"]) * cfg["BLOCK_K"] * 2
+        if shared > HOPPER_SHARED_BYTES:
+            problems.append(f"{shared} bytes of shared memory")
+    return problems
+
+
+def test_gpu_gemm_launch_shapes_fit_hopper_and_the_contract(monkeypatch):
+    """The GPU branch of gemm._config (not run by the interpreter): every shape class, with and
+    without descriptor loads. A launch shape that breaks these fails on the GPU at compile time
+    or changes the K chunking; the checker itself must flag a bad shape (negative control)."""
+    from hal.backends.cuda import gemm
+
+    monkeypatch.setattr(gemm, "INTERPRET", False)
+    seen = 0
+    for m in (1, 16, 17, 64, 65, 128, 256, 257, 1024, 8192):
+        for n, k in ((40, 1100), (4096, 4096), (14336, 4096), (4096, 14336), (152064, 4096)):
+            for tma in (True, False):
+                for sms in (78, 132):
+                    cfg = gemm._config(m, n, k, 512, tma=tma, sms=sms)
+                    assert _launch_problems(cfg, 512, tma) == [], (m, n, k, tma, cfg)
+                    seen += 1
+    assert seen == 10 * 5 * 2 * 2
+    bad = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=96, tma=True, num_stages=5)
+    assert len(_launch_problems(bad, 512, tma_allowed=False)) == 4
