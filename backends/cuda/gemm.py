@@ -109,11 +109,12 @@ def _combine_kernel(partial_ptr, bias_ptr, out_ptr, M, N, CHUNKS, stride_om, str
 
 
 def _config(m: int, n: int, k: int, k_chunk: int, tma: bool, sms: int) -> dict:
-    """Tiling per shape: free (does not change the bits), chosen for speed on the H200 by two small
-    sweeps (bench/speed_sweep.py; bench/results/h200-2026-11-29-speed, call 1 and call 6).
-    ``tma``: descriptor loads are possible (bf16, aligned); ``sms``: the GPU's multiprocessors.
-    Each small-M rule keeps the grid within one wave of two programs per multiprocessor: a
-    second, partial wave cost up to 25% (N = 14336 with 32-wide tiles: 448 programs)."""
+    """Tiling per shape: free (does not change the bits), chosen for speed on the H200 by sweeps of
+    bench/speed_sweep.py (sweep_call1 in bench/results/h200-2026-11-29-speed, sweep_call6/7 in
+    bench/results/h200-2026-11-29-session3). ``tma``: descriptor loads are possible (bf16,
+    aligned); ``sms``: the GPU's multiprocessors. Each small-M rule keeps the grid within one wave
+    of two programs per multiprocessor: a second, partial wave cost 26-28% (N = 14336 with
+    32-wide tiles: 448 programs)."""
     chunks = triton.cdiv(k, k_chunk)
     base = dict(split=False, chunks_per_program=1, GROUP_M=1, tma=False)
     if INTERPRET:
