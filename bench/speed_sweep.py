@@ -72,9 +72,9 @@ def _v(bm, bn, bk, warps, stages, **kw):
     return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, **kw)
 
 
-# Second sweep (call 6): TMA at every M, thinner/wider tiles against wave quantisation, and the
-# persistent kernel of bench/lab (``persistent``: a fixed number of programs walks the tiles).
-# First sweep (call 1): bench/results/h200-2026-11-29-speed/sweep_call1.json.
+# Second round (bench/results/h200-2026-11-29-session3/sweep_1, sweep_2): TMA at every M, tile
+# widths against wave quantisation, and the persistent kernel of bench/lab (``persistent``: a
+# fixed number of programs walks the tiles). First round: ../h200-2026-11-29-speed/sweep_call1.
 GEMM_VARIANTS = {
     "small": [_v(16, 32, 256, 4, 4), _v(16, 16, 256, 4, 4), _v(16, 16, 256, 4, 6), _v(16, 64, 128, 4, 5),
               _v(16, 64, 128, 4, 6), _v(16, 16, 512, 4, 4), _v(16, 32, 256, 4, 4, tma=True),
