@@ -16,7 +16,7 @@ Launch choices that give the same bits, chosen per call for speed only:
   * direct: each program owns a (BLOCK_M, BLOCK_N) tile and walks all chunks;
   * split-K: each program walks CHUNKS_PER_PROGRAM chunks and stores each chunk's sum separately;
     ``_combine_kernel`` adds the chunk sums in ascending order;
-  * loads by pointer, or (``TMA``, bf16 on Hopper, large M) by tensor descriptor, the copy engine:
+  * loads by pointer, or (``TMA``, bf16 on Hopper, M > 16) by tensor descriptor, the copy engine:
     the same tiles of the same values reach the same MMAs.
 """
 
