@@ -120,7 +120,7 @@ def gemm_rows(backend, ceil, quick):
     return rows
 
 
-def _paged(seq_lens, q_lens, hq, hkv, d, page, dtype=torch.bfloat16):
+def paged_problem(seq_lens, q_lens, hq, hkv, d, page, dtype=torch.bfloat16):
     total_pages = sum(-(-n // page) for n in seq_lens)
     k_cache = torch.randn(total_pages, page, hkv, d, device="cuda", dtype=dtype)
     v_cache = torch.randn_like(k_cache)
@@ -164,7 +164,7 @@ def attention_rows(backend, ceil, quick):
     rows = []
     hq, hkv, d = 32, 8, 128
     for seq in ([512, 2048, 8192] if quick else [512, 1024, 2048, 4096, 8192]):
-        paged = [_paged([seq], [seq], hq, hkv, d, 64)]
+        paged = [paged_problem([seq], [seq], hq, hkv, d, 64)]
         sdpa = [(torch.randn(1, hq, seq, d, device="cuda", dtype=torch.bfloat16),
                  torch.randn(1, hkv, seq, d, device="cuda", dtype=torch.bfloat16),
                  torch.randn(1, hkv, seq, d, device="cuda", dtype=torch.bfloat16))]
@@ -178,7 +178,7 @@ def attention_rows(backend, ceil, quick):
                 continue
             kv_bytes = 2 * batch * ctx * hkv * d * 2
             n_sets = copies(kv_bytes)
-            paged = [_paged([ctx] * batch, [1] * batch, hq, hkv, d, 16) for _ in range(n_sets)]
+            paged = [paged_problem([ctx] * batch, [1] * batch, hq, hkv, d, 16) for _ in range(n_sets)]
             sdpa = [(torch.randn(batch, hq, 1, d, device="cuda", dtype=torch.bfloat16),
                      torch.randn(batch, hkv, ctx, d, device="cuda", dtype=torch.bfloat16),
                      torch.randn(batch, hkv, ctx, d, device="cuda", dtype=torch.bfloat16)) for _ in range(n_sets)]

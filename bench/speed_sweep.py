@@ -28,23 +28,24 @@ import cuda_v0.attention as v0_attention
 import cuda_v0.gemm as v0_gemm
 import cuda_v0.logprobs as v0_logprobs
 import lab.gemm_persistent as gemm_persistent
+from bench_cuda import paged_problem
 from hal.api import create_backend
 from hal.backends.cuda import attention, gemm, logprobs
-from hal.kvcache import build_metadata
 
 
 GRAPH = False  # --graph: time variants by device time (CUDA-graph replay) instead of eager calls
 
 
-def bench(fn, rep_ms: int = 40) -> float:
+def eager(fn) -> float:
+    """Eager timing (also for code that syncs with the host: the first attention kernels cannot be
+    graph-captured)."""
+    return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
+
+
+def bench(fn) -> float:
     if GRAPH:
         return triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median")
-    return triton.testing.do_bench(fn, warmup=10, rep=rep_ms, return_mode="median")
-
-
-def eager(fn) -> float:
-    """Eager timing, for code that syncs with the host (the first attention kernels: no graph capture)."""
-    return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
+    return eager(fn)
 
 
 def host_us(fn, calls: int = 200) -> float:
@@ -160,24 +161,11 @@ def gemm_sweep(k_chunk, ms, pairs):
     return rows
 
 
-def _paged(seq_lens, q_lens, hq, hkv, d, page):
-    total = sum(-(-n // page) for n in seq_lens)
-    k_cache = torch.randn(total, page, hkv, d, device="cuda", dtype=torch.bfloat16)
-    v_cache = torch.randn_like(k_cache)
-    perm = torch.randperm(total).tolist()
-    lists, at = [], 0
-    for n in seq_lens:
-        lists.append(perm[at: at + -(-n // page)])
-        at += -(-n // page)
-    q = torch.randn(sum(q_lens), hq, d, device="cuda", dtype=torch.bfloat16)
-    return q, k_cache, v_cache, build_metadata(q_lens, seq_lens, lists, "cuda")
-
-
 def attention_sweep(spec):
     rows = []
     hq, hkv, d = 32, 8, 128
     for seq in (512, 2048, 8192):
-        q, kc, vc, meta = _paged([seq], [seq], hq, hkv, d, 64)
+        q, kc, vc, meta = paged_problem([seq], [seq], hq, hkv, d, 64)
         args = (q, kc, vc, meta.query_start_loc, meta.seq_lens, meta.block_table, d ** -0.5, spec.kv_chunk,
                 spec.kv_split)
         qs = torch.randn(1, hq, seq, d, device="cuda", dtype=torch.bfloat16)
@@ -206,7 +194,7 @@ def attention_sweep(spec):
               flush=True)
         rows.append(row)
     for batch, ctx in [(1, 4096), (1, 32768), (8, 4096), (8, 32768), (64, 4096), (64, 32768)]:
-        q, kc, vc, meta = _paged([ctx] * batch, [1] * batch, hq, hkv, d, 16)
+        q, kc, vc, meta = paged_problem([ctx] * batch, [1] * batch, hq, hkv, d, 16)
         args = (q, kc, vc, meta.query_start_loc, meta.seq_lens, meta.block_table, d ** -0.5, spec.kv_chunk,
                 spec.kv_split)
         ks = torch.randn(batch, hkv, ctx, d, device="cuda", dtype=torch.bfloat16)
