@@ -92,10 +92,19 @@ def test_attention_across_kv_chunks_and_splits(cuda, reference, page_size):
     meta = build_metadata([40], [530], [list(range(pages))])
     args = (q[-40:].contiguous(), k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_table,
             64 ** -0.5, spec.kv_chunk, spec.kv_split)
-    outs = [attention.paged_attention(*args, split_parallel=sp, block_q=bq) for sp, bq in
-            ((False, 32), (True, 32), (False, 8), (True, 1))]
-    assert all(torch.equal(outs[0], o) for o in outs[1:]), "split-KV parallelism or query tiling changed the bits"
+    # Launch shapes: split-KV parallelism, query tiles, one program per query head of the GQA group
+    # (head_split=2) and the program numbering.
+    launches = [dict(split_parallel=sp, block_q=bq, head_split=hs, heads_fastest=hf) for sp, bq, hs, hf in
+                ((False, 32, 1, False), (True, 32, 1, False), (False, 8, 1, True), (True, 1, 1, False),
+                 (True, 4, 2, True), (False, 16, 2, False), (True, 8, 2, False))]
+    outs = [attention.paged_attention(*args, **launch) for launch in launches]
+    assert all(torch.equal(outs[0], o) for o in outs[1:]), "a launch shape changed the bits"
     assert torch.equal(outs[0], full[-40:])
+    # Negative control: the contract's split size does reach the bits of these rows.
+    other_split = attention.paged_attention(*args[:-1], spec.kv_split // 2, **launches[0])
+    assert not torch.equal(outs[0], other_split), "kv_split does not reach the kernel"
+    with pytest.raises(ValueError, match="head_split"):
+        attention.paged_attention(*args, head_split=4)  # a group of 2 query heads cannot be cut in 4
 
 
 def test_attention_finds_each_tile_sequence_on_the_device(cuda, reference):
@@ -121,6 +130,9 @@ def test_attention_finds_each_tile_sequence_on_the_device(cuda, reference):
     # 16-key chunks and 32-key splits: several splits per sequence at these lengths
     parallel = attention.paged_attention(q, k, v, meta.query_start_loc, meta.seq_lens, meta.block_table, d ** -0.5,
                                          16, 32, split_parallel=True)
+    per_head = attention.paged_attention(q, k, v, meta.query_start_loc, meta.seq_lens, meta.block_table, d ** -0.5,
+                                         16, 32, split_parallel=True, head_split=2, heads_fastest=True)
+    assert torch.equal(parallel, per_head), "one program per query head changed the bits"
     starts = meta.query_start_loc.tolist()
     for b in (0, 1, 2, 64, 127, 128, 129):
         alone = build_metadata([q_lens[b]], [seq_lens[b]], [page_lists[b]])

@@ -13,9 +13,12 @@ Reduction structure (contract [attention], read from ``kv_chunk`` and ``kv_split
       M' = max(M, m); a = exp2(M - M'); b = exp2(m - M'); L = fl(L*a) + fl(l*b); A = fl(A*a) + fl(acc*b)
   out = round_act(div_rn(A, L)).
 
-A program owns BLOCK_Q query tokens of one sequence times the GROUP query heads that share one KV
-head (rows = token x head). Free launch choices (every row's bits are the same either way):
-  * the query-tile size, warps and pipeline depth;
+A program owns BLOCK_Q query tokens of one sequence times the query heads that share one KV head
+(rows = token x head), or a slice of those heads (``HEAD_SPLIT`` programs per KV head). Free launch
+choices (every row's recurrence is its own, so its bits are the same either way):
+  * the query-tile size, how many programs share one KV head's query heads, warps and pipeline
+    depth, and the order in which programs are numbered (``HEADS_FASTEST``: the programs reading
+    the same pages run side by side; for prefill, the longest tiles of every head start first);
   * whether a program walks all splits (``SPLIT_PARALLEL`` off: prefill; one flat loop over the
     chunks that merges the split state into (M, L, A) after each split's last chunk, so the K/V
     loads stream across split boundaries) or each split runs in its own program and
@@ -60,6 +63,17 @@ def _locate(index, query_start_ptr, num_seqs, BLOCK_Q: tl.constexpr, BLOCK_B: tl
         seq_first_tile = tl.maximum(seq_first_tile, tl.max(tl.where(before, ends, 0), axis=0))
         tiles_before += tl.sum(tiles, axis=0)
     return b, (index - seq_first_tile) * BLOCK_Q
+
+
+@triton.jit
+def _coordinates(HEADS_FASTEST: tl.constexpr):
+    """(tile index, head program, split) of this program. The GPU starts programs in grid order,
+    axis 0 fastest: HEADS_FASTEST launches a (head programs, splits, tiles) grid, else (tiles, head
+    programs, splits). (A flat grid divided into coordinates costs the prefill tile registers it
+    does not have: 216 bytes of spill instead of 160, by bench/sm90_report.py.)"""
+    if HEADS_FASTEST:
+        return tl.program_id(2), tl.program_id(0), tl.program_id(1)
+    return tl.program_id(0), tl.program_id(1), tl.program_id(2)
 
 
 @triton.jit
@@ -166,11 +180,13 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part
                       stride_qt, stride_qh, stride_bt, stride_kp, stride_kr, stride_kh, stride_ot, stride_oh,
                       num_q_heads, max_splits, scale_log2e, group,
                       PAGE_SIZE: tl.constexpr, KV_SPLIT: tl.constexpr, GROUP_PAD: tl.constexpr,
+                      HEAD_SPLIT: tl.constexpr, HEADS_FASTEST: tl.constexpr,
                       BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT_PARALLEL: tl.constexpr,
                       IS_BF16: tl.constexpr, UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr):
+    tile_index, head_program, split = _coordinates(HEADS_FASTEST)
     # Highest tile first: later tiles of a sequence see more keys, so the long ones start early.
-    tile = num_tiles - 1 - tl.program_id(0)
-    kvh = tl.program_id(1)
+    tile = num_tiles - 1 - tile_index
+    kvh = head_program // HEAD_SPLIT
     b, q_first = _locate(tile, query_start_ptr, num_seqs, BLOCK_Q, BLOCK_B)
     tile_ok = b < num_seqs  # the grid is an upper bound on the number of tiles
     b = tl.where(tile_ok, b, 0)
@@ -178,10 +194,11 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part
     q_len = tl.where(tile_ok, tl.load(query_start_ptr + b + 1) - q_begin, 0)
     seq_len = tl.load(seq_lens_ptr + b)
 
-    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
+    HEADS: tl.constexpr = GROUP_PAD // HEAD_SPLIT  # query heads per program (a slice of the padded group)
+    BLOCK_M: tl.constexpr = BLOCK_Q * HEADS
     rows = tl.arange(0, BLOCK_M)
-    tok = q_first + rows // GROUP_PAD            # query index inside the sequence
-    head_in_group = rows % GROUP_PAD
+    tok = q_first + rows // HEADS                # query index inside the sequence
+    head_in_group = head_program % HEAD_SPLIT * HEADS + rows % HEADS
     q_row_ok = (tok < q_len) & (head_in_group < group)
     positions = seq_len - q_len + tok            # absolute position of each row's query
     token = q_begin + tok
@@ -199,7 +216,7 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part
     # Keys [lo, hi) are this program's; [lo, full_end) are visible to every row of the tile.
     last_key = tl.max(tl.where(q_row_ok, positions, -1)) + 1
     if SPLIT_PARALLEL:
-        lo = tl.program_id(2) * KV_SPLIT
+        lo = split * KV_SPLIT
         hi = tl.minimum(lo + KV_SPLIT, last_key)
     else:
         lo = 0
@@ -230,9 +247,9 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part
 
     if SPLIT_PARALLEL:
         store_ok = q_row_ok & (positions >= lo)
-        part = (token.to(tl.int64) * num_q_heads + head) * max_splits + tl.program_id(2)
+        part = (token.to(tl.int64) * num_q_heads + head) * max_splits + split
         # The merge needs each token's position: one program and one row per token writes it.
-        writer = q_row_ok & (head_in_group + kvh + tl.program_id(2) == 0)
+        writer = q_row_ok & (head_in_group + kvh + split == 0)
         tl.store(part_pos_ptr + token, positions, mask=writer)
         tl.store(part_m_ptr + part, m, mask=store_ok)
         tl.store(part_l_ptr + part, l, mask=store_ok)
@@ -274,26 +291,31 @@ def _merge_kernel(part_m_ptr, part_l_ptr, part_a_ptr, part_pos_ptr, out_ptr, str
 
 def _launch_shape(tokens: int, num_seqs: int, group_pad: int) -> dict:
     """Launch shape from the call's shape alone (the query lengths stay on the device): free,
-    chosen for speed on the H200 (bench/speed_sweep.py; bench/results/h200-2026-11-29-speed)."""
+    chosen for speed on the H200 (bench/speed_sweep.py; bench/results/h200-2026-11-29-speed).
+    ``rows``: token x head rows per program (the MMA tile's M)."""
+    base = dict(head_split=1, heads_fastest=False)
     if INTERPRET:  # programs run one after another: parallel splits only add work
-        return dict(block_q=max(1, 16 // group_pad), num_warps=4, num_stages=1, decode=False)
+        return dict(base, rows=16, num_warps=4, num_stages=1, decode=False)
     if tokens <= 16 * num_seqs:
         # Decode-like, bound by streaming K/V: one 16-row MMA tile, parallel splits, and 5 stages:
         # the depth at which Triton 3.6 double-buffers the page-table-indirect K/V loads (with 3
         # or 4 its TTGIR has one buffer, waited for at the top of every chunk).
-        return dict(block_q=max(1, 16 // group_pad), num_warps=4, num_stages=5, decode=True)
+        return dict(base, rows=16, num_warps=4, num_stages=5, decode=True)
     # Prefill, MMA bound: 64 query rows (one warpgroup) per program; 128 rows on 8 warps measured
     # 2-4% slower at L = 2048..8192.
-    return dict(block_q=max(1, 64 // group_pad), num_warps=4, num_stages=2, decode=False)
+    return dict(base, rows=64, num_warps=4, num_stages=2, decode=False)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float, kv_chunk: int, kv_split: int,
                     split_parallel: bool | None = None, block_q: int | None = None,
-                    num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+                    num_warps: int | None = None, num_stages: int | None = None, head_split: int | None = None,
+                    heads_fastest: bool | None = None) -> torch.Tensor:
     """q (T, Hq, D); caches (pages, P, Hkv, D); metadata as in hal.backend.AttentionMetadata.
-    ``split_parallel``, ``block_q``, ``num_warps`` and ``num_stages`` override the launch shape
-    (tests and tuning); they never change the bits."""
+    ``split_parallel``, ``block_q``, ``num_warps``, ``num_stages``, ``head_split`` (programs per KV
+    head, each taking a slice of its query heads; a power of two up to the padded group) and
+    ``heads_fastest`` (program numbering) override the launch shape (tests and tuning); they never
+    change the bits."""
     tokens, q_heads, head_dim = q.shape
     page, kv_heads = k_cache.shape[1], k_cache.shape[2]
     num_seqs = seq_lens.shape[0]
@@ -303,34 +325,46 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         return out
     group_pad = next_power_of_2(group)
     shape = _launch_shape(tokens, num_seqs, group_pad)
-    block_q = block_q or shape["block_q"]
+    head_split = head_split or shape["head_split"]
+    if head_split > group_pad or group_pad % head_split:
+        raise ValueError(f"head_split {head_split} must be a power of two dividing the padded GQA group {group_pad}")
+    block_q = block_q or max(1, shape["rows"] // (group_pad // head_split))  # tokens per program
     # Upper bounds from shapes alone: sum_b cdiv(q_len_b, block_q) tiles, keys <= the block table.
     num_tiles = min(tokens, (tokens + num_seqs * (block_q - 1)) // block_q)
+    heads_fastest = shape["heads_fastest"] if heads_fastest is None else heads_fastest
+    heads_fastest = heads_fastest and num_tiles <= 65535  # grid axis 2 holds at most 65535 programs
     split = triton.cdiv(kv_split or block_table.shape[1] * page, kv_chunk) * kv_chunk
     max_splits = max(1, triton.cdiv(block_table.shape[1] * page, split))
     if split_parallel is None:
         # Parallel splits fill the GPU for few tiles and balance it for decode (measured faster
         # up to batch 64 x 32k keys); prefill merges in-kernel (no partials to write).
-        split_parallel = max_splits > 1 and (shape["decode"] or num_tiles * kv_heads < 264) and not INTERPRET
+        split_parallel = (max_splits > 1 and (shape["decode"] or num_tiles * kv_heads * head_split < 264)
+                          and not INTERPRET)
     scale_log2e = float(np.float32(scale / math.log(2.0)))  # fp64 -> fp32, round to nearest
     is_bf16 = q.dtype == torch.bfloat16
-    meta = dict(PAGE_SIZE=page, KV_SPLIT=split, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_DIM=head_dim,
-                IS_BF16=is_bf16, UPCAST=INTERPRET and is_bf16, BLOCK_N=kv_chunk, BLOCK_B=BLOCK_B,
+    meta = dict(PAGE_SIZE=page, KV_SPLIT=split, GROUP_PAD=group_pad, HEAD_SPLIT=head_split,
+                HEADS_FASTEST=heads_fastest, BLOCK_Q=block_q, HEAD_DIM=head_dim, IS_BF16=is_bf16,
+                UPCAST=INTERPRET and is_bf16, BLOCK_N=kv_chunk, BLOCK_B=BLOCK_B,
                 num_warps=num_warps or shape["num_warps"], num_stages=num_stages or shape["num_stages"], **LAUNCH)
     strides = (q.stride(0), q.stride(1), block_table.stride(0), k_cache.stride(0), k_cache.stride(1),
                k_cache.stride(2), out.stride(0), out.stride(1))
+    head_programs = kv_heads * head_split
+
+    def grid(splits):
+        return (head_programs, splits, num_tiles) if heads_fastest else (num_tiles, head_programs, splits)
     if split_parallel:
         rows = tokens * q_heads * max_splits
         parts = torch.empty((2 + head_dim) * rows, device=q.device, dtype=torch.float32)  # one allocation
         part_m, part_l, part_a = parts.split([rows, rows, head_dim * rows])
         part_pos = torch.empty(tokens, device=q.device, dtype=torch.int32)
-        _attention_kernel[(num_tiles, kv_heads, max_splits)](
+        _attention_kernel[grid(max_splits)](
             q, k_cache, v_cache, out, part_m, part_l, part_a, part_pos, query_start_loc, seq_lens, block_table,
-            num_seqs, num_tiles, *strides, q_heads, max_splits, scale_log2e, group, SPLIT_PARALLEL=True, **meta)
+            num_seqs, num_tiles, *strides, q_heads, max_splits, scale_log2e, group, SPLIT_PARALLEL=True,
+            **meta)
         _merge_kernel[(tokens, q_heads)](part_m, part_l, part_a, part_pos, out, out.stride(0), out.stride(1), q_heads,
                                          max_splits, KV_SPLIT=split, HEAD_DIM=head_dim, IS_BF16=is_bf16, **LAUNCH)
     else:
-        _attention_kernel[(num_tiles, kv_heads, 1)](
+        _attention_kernel[grid(1)](
             q, k_cache, v_cache, out, out, out, out, out, query_start_loc, seq_lens, block_table, num_seqs, num_tiles,
             *strides, q_heads, 1, scale_log2e, group, SPLIT_PARALLEL=False, **meta)
     return out
