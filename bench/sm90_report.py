@@ -101,21 +101,21 @@ ATTENTION_TYPES = dict(q_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16", 
 
 def attention_rows():
     """Prefill (64-key pages) and decode (16-key pages) of 32 query / 8 KV heads of 128, bf16: the
-    default launch shape, and decode with the GQA group's 4 query heads in 2 or 4 programs."""
-    for phase, tokens, seqs, page, head_split in [("prefill", 4096, 1, 64, None), ("decode", 8, 8, 16, None),
-                                                  ("decode", 8, 8, 16, 2), ("decode", 8, 8, 16, 4)]:
-        shape = attention._launch_shape(tokens, seqs, group_pad=4)
-        head_split = head_split or shape["head_split"]
-        rows = shape["rows"]
-        constants = dict(PAGE_SIZE=page, KV_SPLIT=512, GROUP_PAD=4, HEAD_SPLIT=head_split,
-                         HEADS_FASTEST=shape["heads_fastest"], BLOCK_Q=max(1, rows // (4 // head_split)),
-                         HEAD_DIM=128, SPLIT_PARALLEL=shape["decode"], IS_BF16=True, UPCAST=False, BLOCK_N=64,
+    default launch shapes, and decode programs that walk 2 or 4 consecutive splits."""
+    for phase, tokens, seqs, page, override in [("prefill", 4096, 1, 64, {}), ("decode", 8, 8, 16, {}),
+                                                ("decode", 8, 8, 16, dict(splits_per_program=2)),
+                                                ("decode", 8, 8, 16, dict(splits_per_program=4))]:
+        shape = dict(attention._launch_shape(tokens, seqs, group_pad=4), **override)
+        constants = dict(PAGE_SIZE=page, KV_SPLIT=512, GROUP_PAD=4, HEAD_SPLIT=shape["head_split"],
+                         SPLITS_PER_PROGRAM=shape["splits_per_program"], HEADS_FASTEST=shape["heads_fastest"],
+                         BLOCK_Q=max(1, shape["rows"] // (4 // shape["head_split"])), HEAD_DIM=128,
+                         SPLIT_PARALLEL=shape["decode"], IS_BF16=True, UPCAST=False, BLOCK_N=64,
                          BLOCK_B=attention.BLOCK_B)
         compiled = compile_for_hopper(attention._attention_kernel, ATTENTION_TYPES, constants, shape["num_warps"],
-                                      shape["num_stages"], not16=("num_seqs", "num_tiles", "group", "max_splits",
-                                                                  "num_q_heads"))
-        yield (f"attention {phase}: {rows} rows, {head_split} program(s) per KV head, w{shape['num_warps']} "
-               f"s{shape['num_stages']}", report(compiled))
+                                      shape["num_stages"],
+                                      not16=("num_seqs", "num_tiles", "group", "max_splits", "num_q_heads"))
+        yield (f"attention {phase}: {shape['rows']} rows, {shape['splits_per_program']} split(s) per program, "
+               f"w{shape['num_warps']} s{shape['num_stages']}", report(compiled))
 
 
 def main() -> int:

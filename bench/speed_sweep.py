@@ -161,17 +161,19 @@ def gemm_sweep(k_chunk, ms, pairs):
     return rows
 
 
-# Third round: programs per KV head (``head_split``: the GQA group's query heads in 1, 2 or 4
-# programs, each row's bits its own) and program numbering (``heads_fastest``: the programs that read
-# one page's K/V of every head run side by side; prefill's longest tiles of every head first).
-# Earlier rounds: prefill 64 rows on 8 warps, 8/32-token tiles; decode 4/6 stages and 8 warps
-# (sweep_2 of ../h200-2026-11-29-session3, sweep_call* of ../h200-2026-11-29-speed).
-PREFILL_VARIANTS = [dict(), dict(heads_fastest=True), dict(heads_fastest=True, num_stages=3), dict(num_stages=3),
-                    dict(heads_fastest=True, split_parallel=True)]
-DECODE_VARIANTS = [dict(), dict(heads_fastest=True), dict(head_split=2), dict(head_split=4),
-                   dict(head_split=2, heads_fastest=True), dict(head_split=4, heads_fastest=True),
-                   dict(head_split=4, heads_fastest=True, num_stages=4), dict(head_split=2, heads_fastest=True,
-                                                                               num_stages=4)]
+# Third round (sweep_3, sweep_4 of ../h200-2026-11-29-session4): program numbering
+# (``heads_fastest``: the programs that read one page's K/V of every head run side by side;
+# prefill's longest tiles of every head start first), decode programs that walk several
+# consecutive splits (``splits_per_program``: the start-up - locating the sequence, the first
+# loads - paid less often), and (sweep_3 only) the GQA group's query heads in 2 or 4 programs
+# (``head_split``: 1.2-4x slower, every program streams the whole K/V). Earlier rounds: prefill 64
+# rows on 8 warps, 8/32-token tiles; decode 4/6 stages and 8 warps (sweep_2 of
+# ../h200-2026-11-29-session3, sweep_call* of ../h200-2026-11-29-speed).
+PREFILL_VARIANTS = [dict(), dict(heads_fastest=True), dict(heads_fastest=True, num_stages=3)]
+DECODE_VARIANTS = [dict(), dict(heads_fastest=True)] + [
+    dict(heads_fastest=True, splits_per_program=g) for g in (2, 4, 8)] + [
+    dict(heads_fastest=True, splits_per_program=2, num_stages=4), dict(heads_fastest=True, num_warps=8),
+    dict(heads_fastest=True, splits_per_program=2, num_warps=8)]
 
 
 def _attention_variants(row, sets, spec, variants, ref):

@@ -92,11 +92,12 @@ def test_attention_across_kv_chunks_and_splits(cuda, reference, page_size):
     meta = build_metadata([40], [530], [list(range(pages))])
     args = (q[-40:].contiguous(), k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_table,
             64 ** -0.5, spec.kv_chunk, spec.kv_split)
-    # Launch shapes: split-KV parallelism, query tiles, one program per query head of the GQA group
-    # (head_split=2) and the program numbering.
-    launches = [dict(split_parallel=sp, block_q=bq, head_split=hs, heads_fastest=hf) for sp, bq, hs, hf in
-                ((False, 32, 1, False), (True, 32, 1, False), (False, 8, 1, True), (True, 1, 1, False),
-                 (True, 4, 2, True), (False, 16, 2, False), (True, 8, 2, False))]
+    # Launch shapes: split-KV parallelism (one or both splits per program), query tiles, one program
+    # per query head of the GQA group (head_split=2) and the program numbering.
+    launches = [dict(split_parallel=sp, block_q=bq, head_split=hs, heads_fastest=hf, splits_per_program=g)
+                for sp, bq, hs, hf, g in ((False, 32, 1, False, 1), (True, 32, 1, False, 1), (False, 8, 1, True, 1),
+                                          (True, 1, 1, False, 1), (True, 4, 2, True, 1), (False, 16, 2, False, 1),
+                                          (True, 8, 2, False, 2), (True, 1, 1, True, 3))]
     outs = [attention.paged_attention(*args, **launch) for launch in launches]
     assert all(torch.equal(outs[0], o) for o in outs[1:]), "a launch shape changed the bits"
     assert torch.equal(outs[0], full[-40:])
@@ -133,6 +134,12 @@ def test_attention_finds_each_tile_sequence_on_the_device(cuda, reference):
     per_head = attention.paged_attention(q, k, v, meta.query_start_loc, meta.seq_lens, meta.block_table, d ** -0.5,
                                          16, 32, split_parallel=True, head_split=2, heads_fastest=True)
     assert torch.equal(parallel, per_head), "one program per query head changed the bits"
+    # 16-key splits (up to 3 per sequence): programs of 1, 2 or 3 consecutive splits, and the in-kernel walk
+    by_split = [attention.paged_attention(q, k, v, meta.query_start_loc, meta.seq_lens, meta.block_table, d ** -0.5,
+                                          16, 16, split_parallel=sp, splits_per_program=g)
+                for sp, g in ((True, 1), (True, 2), (True, 3), (False, 1))]
+    assert all(torch.equal(by_split[0], o) for o in by_split[1:]), "splits per program changed the bits"
+    assert not torch.equal(by_split[0], parallel), "kv_split does not reach the kernel"  # negative control
     starts = meta.query_start_loc.tolist()
     for b in (0, 1, 2, 64, 127, 128, 129):
         alone = build_metadata([q_lens[b]], [seq_lens[b]], [page_lists[b]])

@@ -22,7 +22,10 @@ choices (every row's recurrence is its own, so its bits are the same either way)
   * whether a program walks all splits (``SPLIT_PARALLEL`` off: prefill; one flat loop over the
     chunks that merges the split state into (M, L, A) after each split's last chunk, so the K/V
     loads stream across split boundaries) or each split runs in its own program and
-    ``_merge_kernel`` merges them (decode: fills and balances the GPU at any batch);
+    ``_merge_kernel`` merges them (decode: fills and balances the GPU at any batch), and how many
+    consecutive splits one such program walks (``SPLITS_PER_PROGRAM``, each stored as its own
+    partial: fewer, longer programs pay the start-up - finding the sequence, the first loads - less
+    often);
   * chunks that every row of the tile sees entirely (below the causal diagonal) skip the mask:
     there the masked formulas reduce exactly to the unmasked ones (every key visible, every row
     visits), so only the chunks that cross a row's position pay for masking.
@@ -161,16 +164,38 @@ def _merge(big_m, big_l, big_a, m, l, acc, merging):
 
 
 @triton.jit
-def _end_of_chunk(big_m, big_l, big_a, m, l, acc, n0, q_row_ok, positions, BLOCK_N: tl.constexpr,
-                  KV_SPLIT: tl.constexpr):
-    """After the chunk at n0 of an in-kernel walk over all splits: if it was its split's last
-    chunk, merge the split into (M, L, A) (rows that see the split) and restart the split state."""
-    if (n0 + BLOCK_N) % KV_SPLIT == 0:
-        merging = q_row_ok & (positions >= n0 + BLOCK_N - KV_SPLIT)
-        big_m, big_l, big_a = _merge(big_m, big_l, big_a, m, l, acc, merging)
-        m = tl.full(m.shape, float("-inf"), dtype=tl.float32)
-        l = tl.zeros(l.shape, dtype=tl.float32)
-        acc = tl.zeros(acc.shape, dtype=tl.float32)
+def _store_split(part_m_ptr, part_l_ptr, part_a_ptr, m, l, acc, split_index, rows_ok, token, head, num_q_heads,
+                 max_splits, offs_d, HEAD_DIM: tl.constexpr):
+    """One split's (m, l, acc) for ``_merge_kernel``, at [token, head, split] of the partials."""
+    part = (token.to(tl.int64) * num_q_heads + head) * max_splits + split_index
+    tl.store(part_m_ptr + part, m, mask=rows_ok)
+    tl.store(part_l_ptr + part, l, mask=rows_ok)
+    tl.store(part_a_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=rows_ok[:, None])
+
+
+@triton.jit
+def _end_of_chunk(big_m, big_l, big_a, m, l, acc, n0, hi, q_row_ok, positions, token, head, num_q_heads, max_splits,
+                  part_m_ptr, part_l_ptr, part_a_ptr, offs_d, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                  KV_SPLIT: tl.constexpr, SPLIT_PARALLEL: tl.constexpr, SPLITS_PER_PROGRAM: tl.constexpr):
+    """After the chunk at n0: if it was its split's last chunk, hand the split on and restart the
+    split state. An in-kernel walk merges it into (M, L, A); a program of parallel splits stores it
+    as that split's partial (its last split is stored after the loop). Rows that see the split only."""
+    if SPLIT_PARALLEL:
+        if SPLITS_PER_PROGRAM > 1:
+            if ((n0 + BLOCK_N) % KV_SPLIT == 0) & (n0 + BLOCK_N < hi):
+                start = n0 + BLOCK_N - KV_SPLIT
+                _store_split(part_m_ptr, part_l_ptr, part_a_ptr, m, l, acc, start // KV_SPLIT,
+                             q_row_ok & (positions >= start), token, head, num_q_heads, max_splits, offs_d, HEAD_DIM)
+                m = tl.full(m.shape, float("-inf"), dtype=tl.float32)
+                l = tl.zeros(l.shape, dtype=tl.float32)
+                acc = tl.zeros(acc.shape, dtype=tl.float32)
+    else:
+        if (n0 + BLOCK_N) % KV_SPLIT == 0:
+            merging = q_row_ok & (positions >= n0 + BLOCK_N - KV_SPLIT)
+            big_m, big_l, big_a = _merge(big_m, big_l, big_a, m, l, acc, merging)
+            m = tl.full(m.shape, float("-inf"), dtype=tl.float32)
+            l = tl.zeros(l.shape, dtype=tl.float32)
+            acc = tl.zeros(acc.shape, dtype=tl.float32)
     return big_m, big_l, big_a, m, l, acc
 
 
@@ -180,7 +205,7 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part
                       stride_qt, stride_qh, stride_bt, stride_kp, stride_kr, stride_kh, stride_ot, stride_oh,
                       num_q_heads, max_splits, scale_log2e, group,
                       PAGE_SIZE: tl.constexpr, KV_SPLIT: tl.constexpr, GROUP_PAD: tl.constexpr,
-                      HEAD_SPLIT: tl.constexpr, HEADS_FASTEST: tl.constexpr,
+                      HEAD_SPLIT: tl.constexpr, HEADS_FASTEST: tl.constexpr, SPLITS_PER_PROGRAM: tl.constexpr,
                       BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT_PARALLEL: tl.constexpr,
                       IS_BF16: tl.constexpr, UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr):
     tile_index, head_program, split = _coordinates(HEADS_FASTEST)
@@ -215,9 +240,9 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part
 
     # Keys [lo, hi) are this program's; [lo, full_end) are visible to every row of the tile.
     last_key = tl.max(tl.where(q_row_ok, positions, -1)) + 1
-    if SPLIT_PARALLEL:
-        lo = split * KV_SPLIT
-        hi = tl.minimum(lo + KV_SPLIT, last_key)
+    if SPLIT_PARALLEL:  # ``split``: this program's group of SPLITS_PER_PROGRAM consecutive splits
+        lo = split * (SPLITS_PER_PROGRAM * KV_SPLIT)
+        hi = tl.minimum(lo + SPLITS_PER_PROGRAM * KV_SPLIT, last_key)
     else:
         lo = 0
         hi = last_key
@@ -234,26 +259,25 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part
         m, l, acc = _chunk(q, m, l, acc, n0, b, kvh, positions, seq_len, q_row_ok, ones, k_cache_ptr, v_cache_ptr,
                            block_table_ptr, stride_bt, stride_kp, stride_kr, stride_kh, scale_log2e, offs_d,
                            PAGE_SIZE, BLOCK_N, IS_BF16, UPCAST, False)
-        if not SPLIT_PARALLEL:
-            big_m, big_l, big_a, m, l, acc = _end_of_chunk(big_m, big_l, big_a, m, l, acc, n0, q_row_ok, positions,
-                                                           BLOCK_N, KV_SPLIT)
+        big_m, big_l, big_a, m, l, acc = _end_of_chunk(
+            big_m, big_l, big_a, m, l, acc, n0, hi, q_row_ok, positions, token, head, num_q_heads, max_splits,
+            part_m_ptr, part_l_ptr, part_a_ptr, offs_d, HEAD_DIM, BLOCK_N, KV_SPLIT, SPLIT_PARALLEL, SPLITS_PER_PROGRAM)
     for n0 in range(full_end, hi, BLOCK_N):
         m, l, acc = _chunk(q, m, l, acc, n0, b, kvh, positions, seq_len, q_row_ok, ones, k_cache_ptr, v_cache_ptr,
                            block_table_ptr, stride_bt, stride_kp, stride_kr, stride_kh, scale_log2e, offs_d,
                            PAGE_SIZE, BLOCK_N, IS_BF16, UPCAST, True)
-        if not SPLIT_PARALLEL:
-            big_m, big_l, big_a, m, l, acc = _end_of_chunk(big_m, big_l, big_a, m, l, acc, n0, q_row_ok, positions,
-                                                           BLOCK_N, KV_SPLIT)
+        big_m, big_l, big_a, m, l, acc = _end_of_chunk(
+            big_m, big_l, big_a, m, l, acc, n0, hi, q_row_ok, positions, token, head, num_q_heads, max_splits,
+            part_m_ptr, part_l_ptr, part_a_ptr, offs_d, HEAD_DIM, BLOCK_N, KV_SPLIT, SPLIT_PARALLEL, SPLITS_PER_PROGRAM)
 
     if SPLIT_PARALLEL:
-        store_ok = q_row_ok & (positions >= lo)
-        part = (token.to(tl.int64) * num_q_heads + head) * max_splits + split
         # The merge needs each token's position: one program and one row per token writes it.
         writer = q_row_ok & (head_in_group + kvh + split == 0)
         tl.store(part_pos_ptr + token, positions, mask=writer)
-        tl.store(part_m_ptr + part, m, mask=store_ok)
-        tl.store(part_l_ptr + part, l, mask=store_ok)
-        tl.store(part_a_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=store_ok[:, None])
+        # The program's last split (full or not; none when hi <= lo: then no row reaches lo).
+        last_start = tl.maximum(lo, (hi - 1) // KV_SPLIT * KV_SPLIT)
+        _store_split(part_m_ptr, part_l_ptr, part_a_ptr, m, l, acc, last_start // KV_SPLIT,
+                     q_row_ok & (positions >= last_start), token, head, num_q_heads, max_splits, offs_d, HEAD_DIM)
     else:
         if (hi > 0) & ((tl.cdiv(hi, BLOCK_N) * BLOCK_N) % KV_SPLIT != 0):  # the last split was not full
             merging = q_row_ok & (positions >= (hi - 1) // KV_SPLIT * KV_SPLIT)
@@ -293,7 +317,7 @@ def _launch_shape(tokens: int, num_seqs: int, group_pad: int) -> dict:
     """Launch shape from the call's shape alone (the query lengths stay on the device): free,
     chosen for speed on the H200 (bench/speed_sweep.py; bench/results/h200-2026-11-29-speed).
     ``rows``: token x head rows per program (the MMA tile's M)."""
-    base = dict(head_split=1, heads_fastest=False)
+    base = dict(head_split=1, heads_fastest=False, splits_per_program=1)
     if INTERPRET:  # programs run one after another: parallel splits only add work
         return dict(base, rows=16, num_warps=4, num_stages=1, decode=False)
     if tokens <= 16 * num_seqs:
@@ -310,12 +334,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float, kv_chunk: int, kv_split: int,
                     split_parallel: bool | None = None, block_q: int | None = None,
                     num_warps: int | None = None, num_stages: int | None = None, head_split: int | None = None,
-                    heads_fastest: bool | None = None) -> torch.Tensor:
+                    heads_fastest: bool | None = None, splits_per_program: int | None = None) -> torch.Tensor:
     """q (T, Hq, D); caches (pages, P, Hkv, D); metadata as in hal.backend.AttentionMetadata.
     ``split_parallel``, ``block_q``, ``num_warps``, ``num_stages``, ``head_split`` (programs per KV
-    head, each taking a slice of its query heads; a power of two up to the padded group) and
-    ``heads_fastest`` (program numbering) override the launch shape (tests and tuning); they never
-    change the bits."""
+    head, each taking a slice of its query heads; a power of two up to the padded group),
+    ``heads_fastest`` (program numbering) and ``splits_per_program`` (with parallel splits) override
+    the launch shape (tests and tuning); they never change the bits."""
     tokens, q_heads, head_dim = q.shape
     page, kv_heads = k_cache.shape[1], k_cache.shape[2]
     num_seqs = seq_lens.shape[0]
@@ -333,6 +357,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     num_tiles = min(tokens, (tokens + num_seqs * (block_q - 1)) // block_q)
     heads_fastest = shape["heads_fastest"] if heads_fastest is None else heads_fastest
     heads_fastest = heads_fastest and num_tiles <= 65535  # grid axis 2 holds at most 65535 programs
+    splits_per_program = splits_per_program or shape["splits_per_program"]
+    if splits_per_program < 1:
+        raise ValueError(f"splits_per_program must be >= 1, got {splits_per_program}")
     split = triton.cdiv(kv_split or block_table.shape[1] * page, kv_chunk) * kv_chunk
     max_splits = max(1, triton.cdiv(block_table.shape[1] * page, split))
     if split_parallel is None:
@@ -342,8 +369,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                           and not INTERPRET)
     scale_log2e = float(np.float32(scale / math.log(2.0)))  # fp64 -> fp32, round to nearest
     is_bf16 = q.dtype == torch.bfloat16
+    per_program = min(splits_per_program, max_splits) if split_parallel else 1
     meta = dict(PAGE_SIZE=page, KV_SPLIT=split, GROUP_PAD=group_pad, HEAD_SPLIT=head_split,
-                HEADS_FASTEST=heads_fastest, BLOCK_Q=block_q, HEAD_DIM=head_dim, IS_BF16=is_bf16,
+                SPLITS_PER_PROGRAM=per_program, HEADS_FASTEST=heads_fastest, BLOCK_Q=block_q, HEAD_DIM=head_dim, IS_BF16=is_bf16,
                 UPCAST=INTERPRET and is_bf16, BLOCK_N=kv_chunk, BLOCK_B=BLOCK_B,
                 num_warps=num_warps or shape["num_warps"], num_stages=num_stages or shape["num_stages"], **LAUNCH)
     strides = (q.stride(0), q.stride(1), block_table.stride(0), k_cache.stride(0), k_cache.stride(1),
@@ -357,7 +385,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         parts = torch.empty((2 + head_dim) * rows, device=q.device, dtype=torch.float32)  # one allocation
         part_m, part_l, part_a = parts.split([rows, rows, head_dim * rows])
         part_pos = torch.empty(tokens, device=q.device, dtype=torch.int32)
-        _attention_kernel[grid(max_splits)](
+        _attention_kernel[grid(triton.cdiv(max_splits, per_program))](
             q, k_cache, v_cache, out, part_m, part_l, part_a, part_pos, query_start_loc, seq_lens, block_table,
             num_seqs, num_tiles, *strides, q_heads, max_splits, scale_log2e, group, SPLIT_PARALLEL=True,
             **meta)
