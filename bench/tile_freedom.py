@@ -81,11 +81,13 @@ def attention_cases(backend, g):
             meta = build_metadata(q_lens, seq_lens, page_lists, "cuda")
             args = (q, cache.k, cache.v, meta.query_start_loc, meta.seq_lens, meta.block_table, head_dim ** -0.5)
             group_pad = 1 << (hq // hkv - 1).bit_length()
-            launches = [dict(split_parallel=sp, block_q=bq, num_warps=w, num_stages=st, head_split=hs, heads_fastest=hf)
-                        for sp, bq, w, st, hs, hf in [(False, 16, 4, 2, 1, False), (True, 4, 4, 5, 1, False),
-                                                      (False, 4, 8, 3, 1, True), (True, 1, 8, 2, 1, False),
-                                                      (True, 16, 4, 5, group_pad, True),
-                                                      (False, 16, 4, 2, group_pad, True)]]
+            launches = [dict(split_parallel=sp, block_q=bq, num_warps=w, num_stages=st, head_split=hs, heads_fastest=hf,
+                             splits_per_program=g)
+                        for sp, bq, w, st, hs, hf, g in [(False, 16, 4, 2, 1, False, 1), (True, 4, 4, 5, 1, False, 1),
+                                                         (False, 4, 8, 3, 1, True, 1), (True, 1, 8, 2, 1, False, 1),
+                                                         (True, 16, 4, 5, group_pad, True, 1),
+                                                         (False, 16, 4, 2, group_pad, True, 1),
+                                                         (True, 4, 4, 5, 1, True, 2), (True, 2, 8, 4, 1, False, 3)]]
             outs = [attention.paged_attention(*args, spec.kv_chunk, spec.kv_split, **lc) for lc in launches]
             same = [torch.equal(outs[0], o) for o in outs]
             other = attention.paged_attention(*args, spec.kv_chunk // 2, spec.kv_split, **launches[0])
