@@ -42,7 +42,8 @@ import torch
 import triton
 import triton.language as tl
 
-from hal.backends.cuda.common import INTERPRET, LAUNCH, next_power_of_2, round_to_bf16, to_activation, zero_scalar
+from hal.backends.cuda.common import (INTERPRET, LAUNCH, multiprocessors, next_power_of_2, round_to_bf16, to_activation,
+                                      zero_scalar)
 
 BLOCK_B = 128  # sequences scanned per step when a program looks for its sequence
 
@@ -315,19 +316,35 @@ def _merge_kernel(part_m_ptr, part_l_ptr, part_a_ptr, part_pos_ptr, out_ptr, str
 
 def _launch_shape(tokens: int, num_seqs: int, group_pad: int) -> dict:
     """Launch shape from the call's shape alone (the query lengths stay on the device): free,
-    chosen for speed on the H200 (bench/speed_sweep.py; bench/results/h200-2026-11-29-speed).
-    ``rows``: token x head rows per program (the MMA tile's M)."""
-    base = dict(head_split=1, heads_fastest=False, splits_per_program=1)
+    chosen for speed on the H200 by bench/speed_sweep.py (results in bench/results/
+    h200-2026-11-29-speed and h200-2026-11-29-session4). ``rows``: token x head rows per program
+    (the MMA tile's M). Programs are numbered head fastest: the 8 programs of one tile (or split)
+    read the same pages' K/V side by side, and prefill's longest tiles of every head start first
+    (tiles fastest started every head's long tiles one head after another: prefill at L = 1024 /
+    2048 took 1.29 / 1.17x longer, 1% less at 4096; decode up to 3% longer at batch >= 8)."""
+    base = dict(head_split=1, heads_fastest=True, splits_per_program=1)
     if INTERPRET:  # programs run one after another: parallel splits only add work
         return dict(base, rows=16, num_warps=4, num_stages=1, decode=False)
     if tokens <= 16 * num_seqs:
         # Decode-like, bound by streaming K/V: one 16-row MMA tile, parallel splits, and 5 stages:
         # the depth at which Triton 3.6 double-buffers the page-table-indirect K/V loads (with 3
-        # or 4 its TTGIR has one buffer, waited for at the top of every chunk).
+        # or 4 its TTGIR has one buffer, waited for at the top of every chunk). The GQA group's
+        # query heads stay in one program: split over 2 or 4 programs, each streams the whole K/V
+        # (1.2-4x slower).
         return dict(base, rows=16, num_warps=4, num_stages=5, decode=True)
     # Prefill, MMA bound: 64 query rows (one warpgroup) per program; 128 rows on 8 warps measured
     # 2-4% slower at L = 2048..8192.
     return dict(base, rows=64, num_warps=4, num_stages=2, decode=False)
+
+
+def _splits_per_program(programs: int, sms: int) -> int:
+    """Parallel splits per decode program, from the number of one-split programs. One-split
+    programs run 3 to a multiprocessor (157 registers, 70 KB of shared memory); when they need a
+    second, partial wave (between 3 and 4 per multiprocessor: B = 1 x 32k or 8 x 4096 keys, 512
+    programs on 132), programs of two splits (244 registers: 2 per multiprocessor) fit in one:
+    1.17 / 1.27x faster there. Elsewhere one split (two: 1.7x slower at 64 programs, 2-5% slower at
+    4096 programs and more) - bench/results/h200-2026-11-29-session4/sweep_4."""
+    return 2 if 3 * sms < programs <= 4 * sms else 1
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start_loc: torch.Tensor,
@@ -357,11 +374,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     num_tiles = min(tokens, (tokens + num_seqs * (block_q - 1)) // block_q)
     heads_fastest = shape["heads_fastest"] if heads_fastest is None else heads_fastest
     heads_fastest = heads_fastest and num_tiles <= 65535  # grid axis 2 holds at most 65535 programs
-    splits_per_program = splits_per_program or shape["splits_per_program"]
-    if splits_per_program < 1:
-        raise ValueError(f"splits_per_program must be >= 1, got {splits_per_program}")
     split = triton.cdiv(kv_split or block_table.shape[1] * page, kv_chunk) * kv_chunk
     max_splits = max(1, triton.cdiv(block_table.shape[1] * page, split))
+    if splits_per_program is None:
+        splits_per_program = shape["splits_per_program"]
+        if shape["decode"]:
+            splits_per_program = _splits_per_program(num_tiles * kv_heads * head_split * max_splits,
+                                                     multiprocessors(q.device.index or 0))
+    if splits_per_program < 1:
+        raise ValueError(f"splits_per_program must be >= 1, got {splits_per_program}")
     if split_parallel is None:
         # Parallel splits fill the GPU for few tiles and balance it for decode (measured faster
         # up to batch 64 x 32k keys); prefill merges in-kernel (no partials to write).

@@ -13,8 +13,10 @@ Two things every kernel must get right, whatever its tiling:
 
 from __future__ import annotations
 
+import functools
 import os
 
+import torch
 import triton
 import triton.language as tl
 
@@ -22,6 +24,12 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 # Launch options for every kernel: see the module docstring.
 LAUNCH = {"enable_fp_fusion": False}
+
+
+@functools.lru_cache(maxsize=None)
+def multiprocessors(device_index: int) -> int:
+    """The GPU's streaming multiprocessors: launch shapes are sized in waves of programs on them."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 @triton.jit

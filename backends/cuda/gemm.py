@@ -22,13 +22,11 @@ Launch choices that give the same bits, chosen per call for speed only:
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from hal.backends.cuda.common import INTERPRET, LAUNCH, to_activation
+from hal.backends.cuda.common import INTERPRET, LAUNCH, multiprocessors, to_activation
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -145,11 +143,6 @@ def _config(m: int, n: int, k: int, k_chunk: int, tma: bool, sms: int) -> dict:
     return dict(base, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, tma=True, num_warps=8, num_stages=3)
 
 
-@functools.lru_cache(maxsize=None)
-def _multiprocessors(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _tma_ok(t: torch.Tensor) -> bool:
     """A tensor descriptor needs a bf16 row-major matrix with 16-byte aligned base and rows."""
     return (t.dtype == torch.bfloat16 and t.stride(1) == 1 and t.data_ptr() % 16 == 0
@@ -167,7 +160,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out
     if k == 0:
         return out.copy_((bias.float() if bias is not None else torch.zeros(n, device=x.device)).expand(m, n))
     tma_ok = not INTERPRET and _tma_ok(x) and _tma_ok(weight)
-    cfg = _config(m, n, k, k_chunk, tma_ok, 0 if INTERPRET else _multiprocessors(x.device.index or 0))
+    cfg = _config(m, n, k, k_chunk, tma_ok, 0 if INTERPRET else multiprocessors(x.device.index or 0))
     if config:
         cfg.update(config)
     if k_chunk % cfg["BLOCK_K"]:
