@@ -106,6 +106,8 @@ def test_attention_across_kv_chunks_and_splits(cuda, reference, page_size):
     assert not torch.equal(outs[0], other_split), "kv_split does not reach the kernel"
     with pytest.raises(ValueError, match="head_split"):
         attention.paged_attention(*args, head_split=4)  # a group of 2 query heads cannot be cut in 4
+    with pytest.raises(ValueError, match="splits_per_program"):
+        attention.paged_attention(*args, split_parallel=True, splits_per_program=-1)
 
 
 def test_attention_finds_each_tile_sequence_on_the_device(cuda, reference):

@@ -318,8 +318,8 @@ def _launch_shape(tokens: int, num_seqs: int, group_pad: int) -> dict:
     """Launch shape from the call's shape alone (the query lengths stay on the device): free,
     chosen for speed on the H200 by bench/speed_sweep.py (results in bench/results/
     h200-2026-11-29-speed and h200-2026-11-29-session4). ``rows``: token x head rows per program
-    (the MMA tile's M). Programs are numbered head fastest: the 8 programs of one tile (or split)
-    read the same pages' K/V side by side, and prefill's longest tiles of every head start first
+    (the MMA tile's M). Programs are numbered head fastest: the programs of one tile (or split)
+    read the same pages' K/V of every KV head side by side, and prefill's longest tiles of every head start first
     (tiles fastest started every head's long tiles one head after another: prefill at L = 1024 /
     2048 took 1.29 / 1.17x longer, 1% less at 4096; decode up to 3% longer at batch >= 8)."""
     base = dict(head_split=1, heads_fastest=True, splits_per_program=1)
@@ -380,7 +380,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         splits_per_program = shape["splits_per_program"]
         if shape["decode"]:
             splits_per_program = _splits_per_program(num_tiles * kv_heads * head_split * max_splits,
-                                                     multiprocessors(q.device.index or 0))
+                                                     multiprocessors(q.device))
     if splits_per_program < 1:
         raise ValueError(f"splits_per_program must be >= 1, got {splits_per_program}")
     if split_parallel is None:
@@ -392,8 +392,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     is_bf16 = q.dtype == torch.bfloat16
     per_program = min(splits_per_program, max_splits) if split_parallel else 1
     meta = dict(PAGE_SIZE=page, KV_SPLIT=split, GROUP_PAD=group_pad, HEAD_SPLIT=head_split,
-                SPLITS_PER_PROGRAM=per_program, HEADS_FASTEST=heads_fastest, BLOCK_Q=block_q, HEAD_DIM=head_dim, IS_BF16=is_bf16,
-                UPCAST=INTERPRET and is_bf16, BLOCK_N=kv_chunk, BLOCK_B=BLOCK_B,
+                SPLITS_PER_PROGRAM=per_program, HEADS_FASTEST=heads_fastest, BLOCK_Q=block_q, HEAD_DIM=head_dim,
+                IS_BF16=is_bf16, UPCAST=INTERPRET and is_bf16, BLOCK_N=kv_chunk, BLOCK_B=BLOCK_B,
                 num_warps=num_warps or shape["num_warps"], num_stages=num_stages or shape["num_stages"], **LAUNCH)
     strides = (q.stride(0), q.stride(1), block_table.stride(0), k_cache.stride(0), k_cache.stride(1),
                k_cache.stride(2), out.stride(0), out.stride(1))
@@ -408,8 +408,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         part_pos = torch.empty(tokens, device=q.device, dtype=torch.int32)
         _attention_kernel[grid(triton.cdiv(max_splits, per_program))](
             q, k_cache, v_cache, out, part_m, part_l, part_a, part_pos, query_start_loc, seq_lens, block_table,
-            num_seqs, num_tiles, *strides, q_heads, max_splits, scale_log2e, group, SPLIT_PARALLEL=True,
-            **meta)
+            num_seqs, num_tiles, *strides, q_heads, max_splits, scale_log2e, group, SPLIT_PARALLEL=True, **meta)
         _merge_kernel[(tokens, q_heads)](part_m, part_l, part_a, part_pos, out, out.stride(0), out.stride(1), q_heads,
                                          max_splits, KV_SPLIT=split, HEAD_DIM=head_dim, IS_BF16=is_bf16, **LAUNCH)
     else:

@@ -26,9 +26,15 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 LAUNCH = {"enable_fp_fusion": False}
 
 
+def multiprocessors(device: torch.device) -> int:
+    """The GPU's streaming multiprocessors (launch shapes are sized in waves of programs on them);
+    0 for a device that is not a CUDA GPU (the Ascend backend launches these kernels with its own
+    tiles; the wave rules then keep their default)."""
+    return _cuda_multiprocessors(device.index or 0) if device.type == "cuda" else 0
+
+
 @functools.lru_cache(maxsize=None)
-def multiprocessors(device_index: int) -> int:
-    """The GPU's streaming multiprocessors: launch shapes are sized in waves of programs on them."""
+def _cuda_multiprocessors(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 

@@ -160,7 +160,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out
     if k == 0:
         return out.copy_((bias.float() if bias is not None else torch.zeros(n, device=x.device)).expand(m, n))
     tma_ok = not INTERPRET and _tma_ok(x) and _tma_ok(weight)
-    cfg = _config(m, n, k, k_chunk, tma_ok, 0 if INTERPRET else multiprocessors(x.device.index or 0))
+    cfg = _config(m, n, k, k_chunk, tma_ok, multiprocessors(x.device))  # 0 on the interpreter's CPU tensors
     if config:
         cfg.update(config)
     if k_chunk % cfg["BLOCK_K"]:
