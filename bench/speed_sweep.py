@@ -169,11 +169,14 @@ def gemm_sweep(k_chunk, ms, pairs):
 # (``head_split``: 1.2-4x slower, every program streams the whole K/V). Earlier rounds: prefill 64
 # rows on 8 warps, 8/32-token tiles; decode 4/6 stages and 8 warps (sweep_2 of
 # ../h200-2026-11-29-session3, sweep_call* of ../h200-2026-11-29-speed).
-PREFILL_VARIANTS = [dict(), dict(heads_fastest=True), dict(heads_fastest=True, num_stages=3)]
-DECODE_VARIANTS = [dict(), dict(heads_fastest=True)] + [
-    dict(heads_fastest=True, splits_per_program=g) for g in (2, 4, 8)] + [
-    dict(heads_fastest=True, splits_per_program=2, num_stages=4), dict(heads_fastest=True, num_warps=8),
-    dict(heads_fastest=True, splits_per_program=2, num_warps=8)]
+# The first variant is always the code's default; the others name every choice they make, so the
+# lists keep their meaning when defaults move (sweep_4 ran them when tiles-fastest, one split per
+# program was the default).
+PREFILL_VARIANTS = [dict(), dict(heads_fastest=False), dict(heads_fastest=True), dict(heads_fastest=True, num_stages=3)]
+DECODE_VARIANTS = [dict(), dict(heads_fastest=False, splits_per_program=1)] + [
+    dict(heads_fastest=True, splits_per_program=g) for g in (1, 2, 4, 8)] + [
+    dict(heads_fastest=True, splits_per_program=2, num_stages=4),
+    dict(heads_fastest=True, splits_per_program=1, num_warps=8), dict(heads_fastest=True, splits_per_program=2, num_warps=8)]
 
 
 def _attention_variants(row, sets, spec, variants, ref):
