@@ -133,6 +133,13 @@ def paged_problem(seq_lens, q_lens, hq, hkv, d, page, dtype=torch.bfloat16):
     return q, k_cache, v_cache, build_metadata(q_lens, seq_lens, lists, "cuda")
 
 
+def sdpa_problem(batch, q_len, kv_len, hq, hkv, d, dtype=torch.bfloat16):
+    """SDPA's inputs for the same attention on contiguous K/V: q (B, Hq, Lq, D), k and v (B, Hkv, Lkv, D)."""
+    return (torch.randn(batch, hq, q_len, d, device="cuda", dtype=dtype),
+            torch.randn(batch, hkv, kv_len, d, device="cuda", dtype=dtype),
+            torch.randn(batch, hkv, kv_len, d, device="cuda", dtype=dtype))
+
+
 def _attention_row(backend, paged_sets, sdpa_sets, causal):
     nxt_ours, nxt_sdpa = rotating(paged_sets), rotating(sdpa_sets)
     d = paged_sets[0][0].shape[-1]
@@ -165,9 +172,7 @@ def attention_rows(backend, ceil, quick):
     hq, hkv, d = 32, 8, 128
     for seq in ([512, 2048, 8192] if quick else [512, 1024, 2048, 4096, 8192]):
         paged = [paged_problem([seq], [seq], hq, hkv, d, 64)]
-        sdpa = [(torch.randn(1, hq, seq, d, device="cuda", dtype=torch.bfloat16),
-                 torch.randn(1, hkv, seq, d, device="cuda", dtype=torch.bfloat16),
-                 torch.randn(1, hkv, seq, d, device="cuda", dtype=torch.bfloat16))]
+        sdpa = [sdpa_problem(1, seq, seq, hq, hkv, d)]
         row = _attention_row(backend, paged, sdpa, causal=True)
         flops = 4 * seq * seq * d * hq / 2
         rows.append(dict(op="prefill", shape=f"L={seq} Hq={hq} Hkv={hkv} D={d}", **row,
@@ -179,9 +184,7 @@ def attention_rows(backend, ceil, quick):
             kv_bytes = 2 * batch * ctx * hkv * d * 2
             n_sets = copies(kv_bytes)
             paged = [paged_problem([ctx] * batch, [1] * batch, hq, hkv, d, 16) for _ in range(n_sets)]
-            sdpa = [(torch.randn(batch, hq, 1, d, device="cuda", dtype=torch.bfloat16),
-                     torch.randn(batch, hkv, ctx, d, device="cuda", dtype=torch.bfloat16),
-                     torch.randn(batch, hkv, ctx, d, device="cuda", dtype=torch.bfloat16)) for _ in range(n_sets)]
+            sdpa = [sdpa_problem(batch, 1, ctx, hq, hkv, d) for _ in range(n_sets)]
             row = _attention_row(backend, paged, sdpa, causal=False)
             del paged, sdpa
             rows.append(dict(op="decode", shape=f"B={batch} ctx={ctx}", **row,

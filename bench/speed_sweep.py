@@ -28,7 +28,7 @@ import cuda_v0.attention as v0_attention
 import cuda_v0.gemm as v0_gemm
 import cuda_v0.logprobs as v0_logprobs
 import lab.gemm_persistent as gemm_persistent
-from bench_cuda import copies, paged_problem, rotating
+from bench_cuda import copies, paged_problem, rotating, sdpa_problem
 from hal.api import create_backend
 from hal.backends.cuda import attention, gemm, logprobs
 
@@ -217,9 +217,7 @@ def attention_sweep(spec):
     for seq in (512, 1024, 2048, 4096, 8192):
         problem = paged_problem([seq], [seq], hq, hkv, d, 64)
         q, kc, vc, meta = problem
-        qs = torch.randn(1, hq, seq, d, device="cuda", dtype=torch.bfloat16)
-        ks = torch.randn(1, hkv, seq, d, device="cuda", dtype=torch.bfloat16)
-        vs = torch.randn_like(ks)
+        qs, ks, vs = sdpa_problem(1, seq, seq, hq, hkv, d)
         with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
             stock = bench(lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True))
         ref = v0_attention.paged_attention(q, kc, vc, meta.query_start_loc, meta.seq_lens, meta.block_table,
@@ -237,9 +235,7 @@ def attention_sweep(spec):
         kv_bytes = 2 * batch * ctx * hkv * d * 2
         n_sets = copies(kv_bytes)
         sets = [paged_problem([ctx] * batch, [1] * batch, hq, hkv, d, 16) for _ in range(n_sets)]
-        sdpa = [(torch.randn(batch, hq, 1, d, device="cuda", dtype=torch.bfloat16),
-                 torch.randn(batch, hkv, ctx, d, device="cuda", dtype=torch.bfloat16),
-                 torch.randn(batch, hkv, ctx, d, device="cuda", dtype=torch.bfloat16)) for _ in range(n_sets)]
+        sdpa = [sdpa_problem(batch, 1, ctx, hq, hkv, d) for _ in range(n_sets)]
         nxt_sdpa = rotating(sdpa)
         stock = bench(lambda: F.scaled_dot_product_attention(*nxt_sdpa(), enable_gqa=True))
         q, kc, vc, meta = sets[0]
