@@ -32,7 +32,7 @@ import cuda_v0.attention as v0_attention
 import cuda_v0.gemm as v0_gemm
 import cuda_v0.logprobs as v0_logprobs
 from hal.api import create_backend
-from hal.kvcache import build_metadata
+from hal.kvcache import build_metadata, cache_tensor
 
 L2_BYTES = 60 << 20
 
@@ -120,10 +120,13 @@ def gemm_rows(backend, ceil, quick):
     return rows
 
 
-def paged_problem(seq_lens, q_lens, hq, hkv, d, page, dtype=torch.bfloat16):
+def paged_problem(seq_lens, q_lens, hq, hkv, d, page, dtype=torch.bfloat16, layout="NHD"):
+    """Random q and caches (pages in random order) in memory order ``layout`` (hal.kvcache)."""
     total_pages = sum(-(-n // page) for n in seq_lens)
-    k_cache = torch.randn(total_pages, page, hkv, d, device="cuda", dtype=dtype)
-    v_cache = torch.randn_like(k_cache)
+    k_cache = cache_tensor(total_pages, page, hkv, d, dtype, "cuda", layout)
+    v_cache = cache_tensor(total_pages, page, hkv, d, dtype, "cuda", layout)
+    k_cache.normal_()
+    v_cache.normal_()
     perm = torch.randperm(total_pages).tolist()
     lists, at = [], 0
     for n in seq_lens:
@@ -131,6 +134,25 @@ def paged_problem(seq_lens, q_lens, hq, hkv, d, page, dtype=torch.bfloat16):
         at += -(-n // page)
     q = torch.randn(sum(q_lens), hq, d, device="cuda", dtype=dtype)
     return q, k_cache, v_cache, build_metadata(q_lens, seq_lens, lists, "cuda")
+
+
+def relayout(problem, page, layout):
+    """The same attention problem (same q, the same keys and values at every position) with the
+    caches re-paged to ``page`` tokens per page in memory order ``layout``: outputs must be
+    bitwise equal, page size and memory order being free."""
+    q, k_cache, v_cache, meta = problem
+    q_lens = (meta.query_start_loc[1:] - meta.query_start_loc[:-1]).tolist()
+    seq_lens = meta.seq_lens.tolist()
+    old_page = k_cache.shape[1]
+    out = paged_problem(seq_lens, q_lens, q.shape[1], k_cache.shape[2], q.shape[2], page, q.dtype, layout)
+    new_k, new_v, new_meta = out[1], out[2], out[3]
+    for b, n in enumerate(seq_lens):
+        pos = torch.arange(n, device=q.device)
+        old_pages = meta.block_table[b, pos // old_page].long()
+        new_pages = new_meta.block_table[b, pos // page].long()
+        new_k[new_pages, pos % page] = k_cache[old_pages, pos % old_page]
+        new_v[new_pages, pos % page] = v_cache[old_pages, pos % old_page]
+    return q, new_k, new_v, new_meta
 
 
 def sdpa_problem(batch, q_len, kv_len, hq, hkv, d, dtype=torch.bfloat16):

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (the `device` tool), from the repository root:
-#   bash bench/h200.sh STEP...     steps: equal tile kit-quick kit-full negative model bench (default: all)
+#   bash bench/h200.sh STEP...     steps: equal tile kit-quick kit-full negative model bench sweep profile
+#                                  (default: equal tile kit-quick negative model bench)
 # Installs this checkout (and the carried stevedore wheel in .whl/) into /tmp/site, then runs
 # from outside the checkout so that the installed package (with hal.backends.cuda) is imported.
 # The GPU image has no stevedore and no registry access; fetch its wheel here first:
@@ -9,6 +10,8 @@
 # Results go to $OUT (JSON + logs); commit them under bench/results/ with the command used.
 #   KIT_EXAMPLES   hypothesis examples per kit test for kit-quick and negative (default 8)
 #   BENCH_ARGS     extra arguments of bench_cuda.py (e.g. --quick)
+#   SWEEP_ONLY     speed_sweep.py's steps for `sweep` (default attention), timed by CUDA-graph replay
+#   PROFILE_CASES  profile_kernels.py's cases for `profile` (default: all; needs ncu)
 set -uo pipefail
 steps=${*:-equal tile kit-quick negative model bench}
 repo=$(pwd)
@@ -44,6 +47,12 @@ for step in $steps; do
            tail -n 5 "$out/model_equality.log" ;;
     bench) python3 "$repo/bench/bench_cuda.py" ${BENCH_ARGS:-} --json "$out/bench_cuda.json" > "$out/bench_cuda.log" 2>&1 || status=1
            tail -n 45 "$out/bench_cuda.log" ;;
+    sweep) (cd "$repo/bench" && python3 speed_sweep.py --graph --only "${SWEEP_ONLY:-attention}" \
+              --json "$out/sweep.json") > "$out/sweep.log" 2>&1 || status=1
+           grep -vE '^(out of resources|graph capture)' "$out/sweep.log" | tail -n 40 ;;
+    profile) python3 "$repo/bench/profile_kernels.py" --out "$out/profile" ${PROFILE_CASES:+--cases $PROFILE_CASES} \
+               > "$out/profile.log" 2>&1 || status=1
+             tail -n 40 "$out/profile.log" ;;
     *) echo "unknown step $step"; status=2 ;;
   esac
 done

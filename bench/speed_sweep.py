@@ -10,6 +10,9 @@ step measures the host cost per call.
 
     cd bench && python3 speed_sweep.py --graph --only gemm,attention --json sweep.json
     cd bench && python3 speed_sweep.py --only overhead --json overhead.json
+    cd bench && python3 speed_sweep.py --graph --only layouts --json layouts.json   # KV-cache orders
+
+Steps (--only): overhead, gemm, attention (= prefill + decode), prefill, decode, layouts, logprobs.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import cuda_v0.attention as v0_attention
 import cuda_v0.gemm as v0_gemm
 import cuda_v0.logprobs as v0_logprobs
 import lab.gemm_persistent as gemm_persistent
-from bench_cuda import copies, paged_problem, rotating, sdpa_problem
+from bench_cuda import copies, paged_problem, relayout, rotating, sdpa_problem
 from hal.api import create_backend
 from hal.backends.cuda import attention, gemm, logprobs
 
@@ -177,6 +180,13 @@ DECODE_VARIANTS = [dict(), dict(heads_fastest=False, splits_per_program=1)] + [
     dict(heads_fastest=True, splits_per_program=g) for g in (1, 2, 4, 8)] + [
     dict(heads_fastest=True, splits_per_program=2, num_stages=4),
     dict(heads_fastest=True, splits_per_program=1, num_warps=8), dict(heads_fastest=True, splits_per_program=2, num_warps=8)]
+# Fourth round: the cache's memory order and page size (hal.kvcache), each with the default launch
+# and with one and two splits per program. vLLM's NHD order puts one head's 256-byte key rows 2 KB
+# apart (8 KV heads); HND makes one head's page contiguous (4 KB at 16 tokens, 16 KB at 64), as
+# SDPA's contiguous K/V is. The same keys at the same positions in every layout: bitwise equal.
+DECODE_LAYOUTS = [("NHD", 16), ("HND", 16), ("NHD", 64), ("HND", 64)]
+DECODE_LAYOUT_LAUNCHES = [dict(), dict(heads_fastest=True, splits_per_program=1),
+                          dict(heads_fastest=True, splits_per_program=2)]
 
 
 def _attention_variants(row, sets, spec, variants, ref):
@@ -211,7 +221,7 @@ def kernel_times(fn, calls: int = 20) -> dict:
         return {"error": repr(exc)[:200]}
 
 
-def attention_sweep(spec):
+def prefill_sweep(spec):
     rows = []
     hq, hkv, d = 32, 8, 128
     for seq in (512, 1024, 2048, 4096, 8192):
@@ -231,6 +241,14 @@ def attention_sweep(spec):
               f"all_equal={all(v['equal_v0'] for v in row['variants'] if v['equal_v0'] is not None)} | us: {_times(row)}",
               flush=True)
         rows.append(row)
+    return rows
+
+
+def decode_sweep(spec, layouts=False):
+    """Decode launch variants on vLLM's cache order (page 16, NHD); with ``layouts``, the cache
+    orders and page sizes of DECODE_LAYOUTS instead, each with DECODE_LAYOUT_LAUNCHES."""
+    rows = []
+    hq, hkv, d = 32, 8, 128
     for batch, ctx in [(1, 4096), (1, 32768), (8, 4096), (8, 32768), (64, 4096), (64, 32768), (256, 4096)]:
         kv_bytes = 2 * batch * ctx * hkv * d * 2
         n_sets = copies(kv_bytes)
@@ -242,14 +260,25 @@ def attention_sweep(spec):
         ref = v0_attention.paged_attention(q, kc, vc, meta.query_start_loc, meta.seq_lens, meta.block_table,
                                            d ** -0.5, spec.kv_chunk, spec.kv_split)
         row = dict(op="decode", shape=f"B={batch} ctx={ctx}", stock_ms=stock, variants=[])
-        best = _attention_variants(row, sets, spec, DECODE_VARIANTS, ref)
+        if layouts:
+            for layout, page in DECODE_LAYOUTS:
+                paged = sets if (layout, page) == ("NHD", 16) else [relayout(p, page, layout) for p in sets]
+                before = len(row["variants"])
+                _attention_variants(row, paged, spec, DECODE_LAYOUT_LAUNCHES, ref)
+                for v in row["variants"][before:]:
+                    v["layout"], v["page"] = layout, page
+                del paged
+            best = min((v for v in row["variants"] if v["ms"] == v["ms"]), key=lambda v: v["ms"])
+        else:
+            best = _attention_variants(row, sets, spec, DECODE_VARIANTS, ref)
         default = row["variants"][0]
-        row["kernels_us"] = {name: kernel_times(lambda: attention.paged_attention(
-            q, kc, vc, meta.query_start_loc, meta.seq_lens, meta.block_table, d ** -0.5, spec.kv_chunk,
-            spec.kv_split, **v["cfg"])) for name, v in (("default", default), ("best", best))}
+        if not layouts:
+            row["kernels_us"] = {name: kernel_times(lambda: attention.paged_attention(
+                q, kc, vc, meta.query_start_loc, meta.seq_lens, meta.block_table, d ** -0.5, spec.kv_chunk,
+                spec.kv_split, **v["cfg"])) for name, v in (("default", default), ("best", best))}
         print(f"decode {row['shape']:<16} sdpa {stock:.4f} default {default['ms']:.4f} best {best['ms']:.4f} "
-              f"{best['cfg']} ratio {stock / default['ms']:.2f} -> {stock / best['ms']:.2f} "
-              f"{kv_bytes / best['ms'] / 1e6:.0f} GB/s kernels(us) {row['kernels_us']} "
+              f"{best['cfg']} {best.get('layout', '')}{best.get('page', '')} ratio {stock / default['ms']:.2f} -> {stock / best['ms']:.2f} "
+              f"{kv_bytes / best['ms'] / 1e6:.0f} GB/s kernels(us) {row.get('kernels_us', '-')} "
               f"all_equal={all(v['equal_v0'] for v in row['variants'])} | us: {_times(row)}", flush=True)
         rows.append(row)
         del sets, sdpa
@@ -319,7 +348,10 @@ def main() -> int:
     rows = []
     steps = {"overhead": lambda: overhead_rows(contract.gemm.k_chunk),
              "logprobs": lambda: logprob_sweep(contract.logprobs.vocab_chunk),
-             "attention": lambda: attention_sweep(contract.attention),
+             "attention": lambda: prefill_sweep(contract.attention) + decode_sweep(contract.attention),
+             "prefill": lambda: prefill_sweep(contract.attention),
+             "decode": lambda: decode_sweep(contract.attention),
+             "layouts": lambda: decode_sweep(contract.attention, layouts=True),
              "gemm": lambda: gemm_sweep(contract.gemm.k_chunk, [int(m) for m in args.ms.split(",")],
                                         [tuple(int(v) for v in nk.split("x")) for nk in args.nk.split(",")])}
     for name in args.only.split(","):

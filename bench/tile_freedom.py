@@ -1,7 +1,7 @@
 """Prove on the GPU that each cuda kernel's launch shape does not change its bits.
 
-The contract fixes the reduction structure; tiles, warps, stages, split-K / split-KV parallelism
-and query-tile sizes are left free. This script runs every kernel of the cuda backend under many
+The contract fixes the reduction structure; tiles, warps, stages, split-K / split-KV parallelism,
+query-tile sizes and the KV cache's memory order are left free. This script runs every kernel of the cuda backend under many
 launch shapes on the same random inputs and checks that every output is bitwise equal
 (``torch.equal``) to the first one. As a negative control it also changes a contract number
 (k_chunk, kv_chunk, row block) and checks that the bits *do* change.
@@ -21,7 +21,7 @@ from triton.runtime.errors import OutOfResources
 
 from hal.api import create_backend
 from hal.conformance.checks import random_tensor
-from hal.kvcache import PageAllocator, PagedKVCache, build_metadata, pages_needed, slot_mapping
+from hal.kvcache import PageAllocator, PagedKVCache, build_metadata, cache_tensor, pages_needed, slot_mapping
 
 
 def gemm_cases(backend, g):
@@ -89,10 +89,15 @@ def attention_cases(backend, g):
                                                          (False, 16, 4, 2, group_pad, True, 1),
                                                          (True, 4, 4, 5, 1, True, 2), (True, 2, 8, 4, 1, False, 3)]]
             outs = [attention.paged_attention(*args, spec.kv_chunk, spec.kv_split, **lc) for lc in launches]
+            # The caches' memory order (hal.kvcache): the same keys stored head-major (HND).
+            hnd = [cache_tensor(cache.num_pages, page, hkv, head_dim, dtype, "cuda", "HND").copy_(t)
+                   for t in (cache.k, cache.v)]
+            for lc in (launches[1], launches[6]):
+                outs.append(attention.paged_attention(q, *hnd, *args[3:], spec.kv_chunk, spec.kv_split, **lc))
             same = [torch.equal(outs[0], o) for o in outs]
             other = attention.paged_attention(*args, spec.kv_chunk // 2, spec.kv_split, **launches[0])
             results.append(dict(kernel="attention", shape=f"seq_lens={seq_lens} q_lens={q_lens} heads={heads} "
-                                f"D={head_dim} page={page}", dtype=str(dtype), launches=len(launches),
+                                f"D={head_dim} page={page} (+2 in HND order)", dtype=str(dtype), launches=len(outs),
                                 identical=sum(same), contract_change_changes_bits=not torch.equal(outs[0], other)))
     return results
 

@@ -1,9 +1,15 @@
 """A paged KV cache: page allocation, slot mapping and attention metadata.
 
 Layout (the same as vLLM's and FlashAttention's paged layout): ``k_cache`` and ``v_cache`` are
-(num_pages, page_size, num_kv_heads, head_dim); key j of a sequence lives in page
+(num_pages, page_size, num_kv_heads, head_dim) tensors; key j of a sequence lives in page
 ``block_table[j // page_size]`` at row ``j % page_size``, i.e. at flat slot
 ``page * page_size + row``.
+
+Memory order is a separate, free choice (it moves no arithmetic, so it never changes a bit):
+``NHD`` stores each page as (page_size, num_kv_heads, head_dim), one token's heads side by side,
+as vLLM allocates; ``HND`` stores it as (num_kv_heads, page_size, head_dim), so one head's keys of a
+page are contiguous, and hands out the same (num_pages, page_size, num_kv_heads, head_dim) view
+with other strides. Every op indexes the cache through its strides.
 """
 
 from __future__ import annotations
@@ -23,11 +29,11 @@ class PagedKVCache:
 
     @classmethod
     def allocate(cls, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu") -> "PagedKVCache":
-        shape = (num_pages, page_size, num_kv_heads, head_dim)
-        # NaN-filled so that a kernel reading a slot nobody wrote shows up in every test.
-        return cls(torch.full(shape, float("nan"), dtype=dtype, device=device),
-                   torch.full(shape, float("nan"), dtype=dtype, device=device))
+                 dtype: torch.dtype, device: torch.device | str = "cpu", layout: str = "NHD") -> "PagedKVCache":
+        """NaN-filled caches (a kernel reading a slot nobody wrote shows up in every test) in the
+        memory order ``layout`` (``NHD`` or ``HND``, module docstring)."""
+        return cls(cache_tensor(num_pages, page_size, num_kv_heads, head_dim, dtype, device, layout, float("nan")),
+                   cache_tensor(num_pages, page_size, num_kv_heads, head_dim, dtype, device, layout, float("nan")))
 
     @property
     def page_size(self) -> int:
@@ -36,6 +42,20 @@ class PagedKVCache:
     @property
     def num_pages(self) -> int:
         return self.k.shape[0]
+
+
+LAYOUTS = ("NHD", "HND")
+
+
+def cache_tensor(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu", layout: str = "NHD", fill: float = 0.0) -> torch.Tensor:
+    """One (num_pages, page_size, num_kv_heads, head_dim) cache tensor stored in ``layout`` order."""
+    if layout == "NHD":
+        return torch.full((num_pages, page_size, num_kv_heads, head_dim), fill, dtype=dtype, device=device)
+    if layout == "HND":
+        stored = torch.full((num_pages, num_kv_heads, page_size, head_dim), fill, dtype=dtype, device=device)
+        return stored.permute(0, 2, 1, 3)
+    raise HalError(f"unknown KV-cache layout {layout!r}; expected one of {LAYOUTS}")
 
 
 class PageAllocator:

@@ -110,6 +110,43 @@ def test_attention_across_kv_chunks_and_splits(cuda, reference, page_size):
         attention.paged_attention(*args, split_parallel=True, splits_per_program=-1)
 
 
+def test_cache_memory_order_is_free_and_a_misread_order_is_caught(cuda, reference):
+    """The same keys in an NHD cache (vLLM's order) and an HND cache (one head's page contiguous):
+    write_kv and attention go through the strides, so both backends give the same bits in both
+    orders. Negative control: HND memory read as if it were NHD gives other bits."""
+    from hal.conformance.checks import random_tensor
+    from hal.errors import HalError, UnsupportedError
+    from hal.kvcache import PagedKVCache, build_metadata, cache_tensor, slot_mapping
+
+    g = torch.Generator().manual_seed(4)
+    seq_lens, q_lens, page, hkv, d = [150, 70], [1, 3], 16, 2, 64
+    page_lists = [[9, 2, 5, 0, 7, 11, 3, 1, 12, 4], [6, 8, 10, 13, 14]]
+    k = [random_tensor((n, hkv, d), torch.bfloat16, g) for n in seq_lens]
+    v = [random_tensor((n, hkv, d), torch.bfloat16, g) for n in seq_lens]
+    q = random_tensor((sum(q_lens), 2 * hkv, d), torch.bfloat16, g)
+    meta = build_metadata(q_lens, seq_lens, page_lists)
+    outs = {}
+    for layout in ("NHD", "HND"):
+        cache = PagedKVCache.allocate(15, page, hkv, d, torch.bfloat16, layout=layout)
+        assert cache.k.shape == (15, page, hkv, d)
+        assert cache.k.is_contiguous() == (layout == "NHD")
+        for b in range(2):
+            cuda.write_kv(k[b], v[b], cache.k, cache.v, slot_mapping(page_lists[b], range(seq_lens[b]), page))
+        outs[layout] = {name: be.attention(q, cache.k, cache.v, meta, scale=d ** -0.5)
+                        for name, be in (("cuda", cuda), ("reference", reference))}
+        if layout == "HND":  # its memory, unwritten slots zeroed, viewed as if it were NHD
+            misread = [t.permute(0, 2, 1, 3).nan_to_num(0.0).contiguous().view(15, page, hkv, d)
+                       for t in (cache.k, cache.v)]
+    for name in ("cuda", "reference"):
+        assert torch.equal(outs["NHD"][name], outs["HND"][name]), f"{name}: the cache's memory order changed the bits"
+    wrong = cuda.attention(q, *misread, meta, scale=d ** -0.5)
+    assert bool(wrong.isfinite().all()) and not torch.equal(wrong, outs["HND"]["cuda"])
+    with pytest.raises(UnsupportedError, match="contiguous"):
+        cuda.attention(q, misread[0].transpose(2, 3).contiguous().transpose(2, 3), misread[1], meta, scale=d ** -0.5)
+    with pytest.raises(HalError, match="layout"):
+        cache_tensor(1, 16, 2, 64, torch.bfloat16, layout="HDN")
+
+
 def test_attention_finds_each_tile_sequence_on_the_device(cuda, reference):
     """No host metadata: each program finds its sequence in query_start_loc. 130 ragged sequences
     (more than one 128-wide scan step), some without queries; a sequence's rows must be the same

@@ -90,6 +90,9 @@ class CudaBackend(Backend):
         if q.shape[-1] not in HEAD_DIMS or q.shape[1] % k_cache.shape[2]:
             raise UnsupportedError(f"attention: head dim must be one of {HEAD_DIMS} and query heads a multiple of "
                                    f"KV heads; got q {tuple(q.shape)}, cache {tuple(k_cache.shape)}")
+        if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+            raise UnsupportedError(f"attention: the caches' head_dim must be contiguous (stride 1); got strides "
+                                   f"{k_cache.stride()} and {v_cache.stride()}")
         spec = self.contract.attention
         return self._attention.paged_attention(
             q.contiguous(), k_cache, v_cache, meta.query_start_loc.to(torch.int32), meta.seq_lens.to(torch.int32),

@@ -1,0 +1,242 @@
+"""Hardware-counter profiles (Nsight Compute) of the cuda kernels next to the stock kernels they are
+compared with: where issue #5's remaining time goes. Needs `ncu` on the PATH and a GPU whose
+counters it can read (the H200 machine of the `device` tool can; --clock-control none leaves the
+clocks as found).
+
+For every case one child process builds the problem, runs every kernel once outside the profiled
+range (compiles, autotuning of cuBLAS / SDPA), then runs ours and the stock op once each between
+cudaProfilerStart/Stop; ncu profiles those launches with cold caches (it flushes them before each
+replay pass). Per kernel it reports time, DRAM and L2 traffic and throughput, SM and tensor-pipe
+use, achieved occupancy, registers and the top warp stall reasons; the JSON keeps every metric.
+
+    python3 bench/profile_kernels.py --out DIR [--cases decode_b8_4k,gemm_m256]   # on the GPU machine
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+SECTIONS = ["SpeedOfLight", "MemoryWorkloadAnalysis", "ComputeWorkloadAnalysis", "Occupancy", "LaunchStats",
+            "WarpStateStats", "SchedulerStats"]
+EXTRA_METRICS = ["dram__bytes_read.sum", "dram__bytes_write.sum", "lts__t_bytes.sum"]
+
+# name -> (description, what it runs); each builder returns [(label, fn)] for ours and stock.
+CASES = {
+    "gemm_m256": "GEMM M=256 N=4096 K=4096 (bf16): ours vs torch.mm",
+    "gemm_m1024": "GEMM M=1024 N=14336 K=4096 (bf16): ours vs torch.mm",
+    "gemm_m8192": "GEMM M=8192 N=4096 K=4096 (bf16): ours vs torch.mm",
+    "prefill_512": "causal prefill L=512, 32/8 heads, D=128: ours vs SDPA flash",
+    "prefill_8192": "causal prefill L=8192: ours vs SDPA flash",
+    "decode_b1_32k": "decode B=1 ctx=32768: ours (page 16, NHD) vs SDPA",
+    "decode_b8_4k": "decode B=8 ctx=4096: ours in NHD/HND order at pages 16/64 vs SDPA",
+    "decode_b64_32k": "decode B=64 ctx=32768: ours NHD16 / HND64 vs SDPA",
+}
+
+
+def build(case: str):
+    """[(label, fn)] for one case, ours first and the stock op last; each fn makes one call."""
+    import torch
+    import torch.nn.functional as F
+
+    from bench_cuda import paged_problem, relayout, sdpa_problem
+    from hal.api import create_backend
+
+    backend = create_backend("cuda")
+    hq, hkv, d = 32, 8, 128
+    if case.startswith("gemm_"):
+        m, n, k = {"gemm_m256": (256, 4096, 4096), "gemm_m1024": (1024, 14336, 4096),
+                   "gemm_m8192": (8192, 4096, 4096)}[case]
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
+        return [("ours", lambda: backend.linear(x, w)), ("cublas", lambda: torch.mm(x, w.T))]
+    if case.startswith("prefill_"):
+        seq = int(case.split("_")[1])
+        q, kc, vc, meta = paged_problem([seq], [seq], hq, hkv, d, 64)
+        qs, ks, vs = sdpa_problem(1, seq, seq, hq, hkv, d)
+
+        def flash():
+            with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+                return F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+        return [("ours", lambda: backend.attention(q, kc, vc, meta, scale=d ** -0.5)), ("sdpa_flash", flash)]
+    batch, ctx = {"decode_b1_32k": (1, 32768), "decode_b8_4k": (8, 4096), "decode_b64_32k": (64, 32768)}[case]
+    base = paged_problem([ctx] * batch, [1] * batch, hq, hkv, d, 16)
+    layouts = {"decode_b1_32k": [("NHD", 16)], "decode_b8_4k": [("NHD", 16), ("HND", 16), ("NHD", 64), ("HND", 64)],
+               "decode_b64_32k": [("NHD", 16), ("HND", 64)]}[case]
+    fns = []
+    for layout, page in layouts:
+        q, kc, vc, meta = base if (layout, page) == ("NHD", 16) else relayout(base, page, layout)
+        fns.append((f"ours_{layout}{page}", lambda q=q, kc=kc, vc=vc, meta=meta:
+                    backend.attention(q, kc, vc, meta, scale=d ** -0.5)))
+    qs, ks, vs = sdpa_problem(batch, 1, ctx, hq, hkv, d)
+    fns.append(("sdpa", lambda: F.scaled_dot_product_attention(qs, ks, vs, enable_gqa=True)))
+    return fns
+
+
+def child(case: str) -> int:
+    """Run inside ncu: warm up every fn, then one profiled call of each, ours first, the stock op
+    last (the parent labels the kernels by that order: each of our main kernels starts the next
+    label of ours; any kernel not ours is the stock op's)."""
+    import torch
+
+    fns = build(case)
+    for _, fn in fns:
+        for _ in range(3):
+            fn()
+    torch.cuda.synchronize()
+    print("LABELS " + json.dumps([label for label, _ in fns]), flush=True)
+    torch.cuda.cudart().cudaProfilerStart()
+    for _, fn in fns:
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+    return 0
+
+
+OUR_MAIN_KERNELS = ("_gemm_kernel", "_attention_kernel")  # each call of ours starts with one of these
+OUR_KERNELS = OUR_MAIN_KERNELS + ("_merge_kernel", "_combine_kernel")
+
+
+def label_kernels(names: list[str], labels: list[str]) -> list[str]:
+    """Which call each profiled kernel belongs to (``labels``: ours in launch order, then stock)."""
+    out, ours_seen = [], -1
+    for name in names:
+        if name.startswith(OUR_MAIN_KERNELS):
+            ours_seen += 1
+        if name.startswith(OUR_KERNELS):
+            out.append(labels[min(ours_seen, len(labels) - 2)] if ours_seen >= 0 else "?")
+        else:
+            out.append(labels[-1])
+    return out
+
+
+def _number(text: str):
+    try:
+        return float(text.replace(",", ""))
+    except ValueError:
+        return text
+
+
+def parse_raw_csv(text: str) -> list[dict]:
+    """ncu --page raw --csv: a header row, a units row, one row per kernel."""
+    lines = [line for line in text.splitlines() if line.startswith('"')]
+    rows = list(csv.reader(io.StringIO("\n".join(lines))))
+    if len(rows) < 3:
+        return []
+    header, units = rows[0], rows[1]
+    return [{name: (_number(value), unit) for name, unit, value in zip(header, units, row)} for row in rows[2:]]
+
+
+def pick(metrics: dict, name: str):
+    value = metrics.get(name, (float("nan"), ""))[0]
+    return value if isinstance(value, float) else float("nan")
+
+
+def summary(metrics: dict) -> dict:
+    """The few numbers the table shows (units normalised: us, GB, %)."""
+    def scaled(name, to):
+        value, unit = metrics.get(name, (float("nan"), ""))
+        if not isinstance(value, float):
+            return float("nan")
+        factor = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "byte": 1e-9, "Kbyte": 1e-6, "Mbyte": 1e-3,
+                  "Gbyte": 1.0, "KB": 1e-6, "MB": 1e-3, "GB": 1.0}.get(unit)
+        return value * factor / to if factor is not None else float("nan")
+    stalls = {m.group(1): metrics[name][0] for name in metrics
+              if (m := re.fullmatch(r"smsp__average_warps_issue_stalled_(\w+)_per_issue_active\.ratio", name))
+              and isinstance(metrics[name][0], float)}
+    top = sorted(stalls.items(), key=lambda kv: -kv[1])[:4]
+    tensor = [metrics[name][0] for name in metrics if "pipe_tensor" in name and name.endswith("pct_of_peak_sustained_active")
+              and isinstance(metrics[name][0], float)]
+    return dict(kernel=str(metrics.get("Kernel Name", ("?", ""))[0])[:60],
+                us=scaled("gpu__time_duration.sum", 1.0),
+                dram_read_GB=scaled("dram__bytes_read.sum", 1.0), dram_write_GB=scaled("dram__bytes_write.sum", 1.0),
+                l2_GB=scaled("lts__t_bytes.sum", 1.0),
+                dram_pct=pick(metrics, "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed")
+                if "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed" in metrics
+                else pick(metrics, "dram__throughput.avg.pct_of_peak_sustained_elapsed"),
+                l2_pct=pick(metrics, "lts__throughput.avg.pct_of_peak_sustained_elapsed"),
+                sm_pct=pick(metrics, "sm__throughput.avg.pct_of_peak_sustained_elapsed"),
+                tensor_pct=max(tensor) if tensor else float("nan"),
+                occupancy_pct=pick(metrics, "sm__warps_active.avg.pct_of_peak_sustained_active"),
+                registers=pick(metrics, "launch__registers_per_thread"),
+                grid=pick(metrics, "launch__grid_size"),
+                stalls={k: round(v, 2) for k, v in top})
+
+
+def profile(case: str, out: str, ncu: str) -> dict:
+    report = os.path.join(out, f"{case}.ncu-rep")
+    base = [ncu, "--clock-control", "none", "--profile-from-start", "off", "--target-processes", "all", "-f", "-o",
+            report[:-len(".ncu-rep")]] + [a for s in SECTIONS for a in ("--section", s)]
+    here = os.path.dirname(os.path.abspath(__file__))
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", case]
+    start = time.time()
+    run = subprocess.run(base + ["--metrics", ",".join(EXTRA_METRICS)] + cmd, capture_output=True, text=True, cwd=here)
+    if run.returncode != 0:  # a metric name this ncu does not know: sections only
+        run = subprocess.run(base + cmd, capture_output=True, text=True, cwd=here)
+    log = run.stdout + run.stderr
+    with open(os.path.join(out, f"{case}.log"), "w") as f:
+        f.write(log)
+    labels = json.loads(next((line[7:] for line in log.splitlines() if line.startswith("LABELS ")), "[]"))
+    if run.returncode != 0 or not os.path.exists(report):
+        return dict(case=case, error=log[-2000:], seconds=time.time() - start)
+    raw = subprocess.run([ncu, "--import", report, "--csv", "--page", "raw"], capture_output=True, text=True)
+    with open(os.path.join(out, f"{case}.csv"), "w") as f:
+        f.write(raw.stdout)
+    kernels = parse_raw_csv(raw.stdout)
+    names = [str(m.get("Kernel Name", ("?", ""))[0]) for m in kernels]
+    rows = [dict(label=label, **summary(metrics), metrics={k: v[0] for k, v in metrics.items()})
+            for label, metrics in zip(label_kernels(names, labels), kernels)]
+    return dict(case=case, description=CASES[case], kernels=rows, seconds=time.time() - start)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", help="folder for the reports, logs and profile.json")
+    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        return child(args.child)
+    if not args.out:
+        parser.error("--out is required")
+    ncu = shutil.which("ncu") or next((p for p in ("/usr/local/cuda/bin/ncu",) if os.path.exists(p)), None)
+    if ncu is None:
+        print("ncu (Nsight Compute) is not on the PATH", file=sys.stderr)
+        return 2
+    os.makedirs(args.out, exist_ok=True)
+    cases = args.cases.split(",")
+    unknown = [c for c in cases if c not in CASES]
+    if unknown:
+        parser.error(f"unknown cases {unknown}; known: {list(CASES)}")
+    results = []
+    for case in cases:
+        results.append(profile(case, args.out, ncu))
+        print(f"{case}: {'error' if 'error' in results[-1] else len(results[-1]['kernels'])} "
+              f"({results[-1]['seconds']:.0f} s)", flush=True)
+        with open(os.path.join(args.out, "profile.json"), "w") as f:
+            json.dump(results, f, indent=1)
+    print(f"\n{'case':<15} {'label':<12} {'kernel':<28} {'us':>7} {'DRAM GB':>8} {'DRAM%':>6} {'L2 GB':>6} "
+          f"{'L2%':>5} {'SM%':>5} {'TC%':>5} {'occ%':>5} {'regs':>4}  top stalls (warps per issue)")
+    for r in results:
+        if "error" in r:
+            print(f"{r['case']:<15} ERROR {r['error'][-300:]}")
+            continue
+        for k in r["kernels"]:
+            stalls = " ".join(f"{n}={v}" for n, v in k["stalls"].items())
+            print(f"{r['case']:<15} {k['label']:<12} {k['kernel'][:28]:<28} {k['us']:>7.1f} "
+                  f"{k['dram_read_GB'] + k['dram_write_GB']:>8.3f} {k['dram_pct']:>6.1f} {k['l2_GB']:>6.2f} "
+                  f"{k['l2_pct']:>5.1f} {k['sm_pct']:>5.1f} {k['tensor_pct']:>5.1f} {k['occupancy_pct']:>5.1f} "
+                  f"{k['registers']:>4.0f}  {stalls}")
+    return 0 if all("error" not in r for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
