@@ -104,18 +104,24 @@ def attention_rows():
     default launch shapes, and decode programs that walk 2 or 4 consecutive splits."""
     for phase, tokens, seqs, page, override in [("prefill", 4096, 1, 64, {}), ("decode", 8, 8, 16, {}),
                                                 ("decode", 8, 8, 16, dict(splits_per_program=2)),
-                                                ("decode", 8, 8, 16, dict(splits_per_program=4))]:
+                                                ("decode", 8, 8, 16, dict(splits_per_program=4)),
+                                                ("prefill", 4096, 1, 64, dict(tma=True)),
+                                                ("decode", 8, 8, 64, dict(tma=True)),
+                                                ("decode", 8, 8, 64, dict(tma=True, splits_per_program=2))]:
         shape = dict(attention._launch_shape(tokens, seqs, group_pad=4), **override)
+        types = dict(ATTENTION_TYPES)
+        if shape["tma"]:  # K/V by descriptors of one head's 64-key chunk of a page
+            types.update(k_cache_ptr="tensordesc<bf16[64, 128]>", v_cache_ptr="tensordesc<bf16[64, 128]>")
         constants = dict(PAGE_SIZE=page, KV_SPLIT=512, GROUP_PAD=4, HEAD_SPLIT=shape["head_split"],
                          SPLITS_PER_PROGRAM=shape["splits_per_program"], HEADS_FASTEST=shape["heads_fastest"],
                          BLOCK_Q=max(1, shape["rows"] // (4 // shape["head_split"])), HEAD_DIM=128,
                          SPLIT_PARALLEL=shape["decode"], IS_BF16=True, UPCAST=False, BLOCK_N=64,
-                         BLOCK_B=attention.BLOCK_B)
-        compiled = compile_for_hopper(attention._attention_kernel, ATTENTION_TYPES, constants, shape["num_warps"],
+                         BLOCK_B=attention.BLOCK_B, TMA=shape["tma"])
+        compiled = compile_for_hopper(attention._attention_kernel, types, constants, shape["num_warps"],
                                       shape["num_stages"],
                                       not16=("num_seqs", "num_tiles", "group", "max_splits", "num_q_heads"))
         yield (f"attention {phase}: {shape['rows']} rows, {shape['splits_per_program']} split(s) per program, "
-               f"w{shape['num_warps']} s{shape['num_stages']}", report(compiled))
+               f"w{shape['num_warps']} s{shape['num_stages']}" + (" TMA" if shape["tma"] else ""), report(compiled))
 
 
 def main() -> int:

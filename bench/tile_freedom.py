@@ -64,7 +64,7 @@ def attention_cases(backend, g):
     spec = backend.contract.attention
     results = []
     for seq_lens, q_lens, heads, head_dim, page, dtype in [
-            ([1500], [1500], (32, 8), 128, 16, torch.bfloat16),
+            ([1500], [1500], (32, 8), 128, 64, torch.bfloat16),
             ([700, 1300, 90], [1, 1, 1], (32, 8), 128, 64, torch.bfloat16),
             ([2100, 600], [300, 1], (16, 2), 64, 16, torch.float32)]:
             hq, hkv = heads
@@ -94,10 +94,16 @@ def attention_cases(backend, g):
                    for t in (cache.k, cache.v)]
             for lc in (launches[1], launches[6]):
                 outs.append(attention.paged_attention(q, *hnd, *args[3:], spec.kv_chunk, spec.kv_split, **lc))
+            # K/V by tensor descriptor (64-key pages, bf16): both orders, in-kernel and parallel splits.
+            if page % spec.kv_chunk == 0 and dtype == torch.bfloat16:
+                for caches, lc in (((cache.k, cache.v), launches[0]), ((cache.k, cache.v), launches[6]),
+                                   (hnd, launches[1]), (hnd, launches[2])):
+                    outs.append(attention.paged_attention(q, *caches, *args[3:], spec.kv_chunk, spec.kv_split,
+                                                          **lc, tma=True))
             same = [torch.equal(outs[0], o) for o in outs]
             other = attention.paged_attention(*args, spec.kv_chunk // 2, spec.kv_split, **launches[0])
             results.append(dict(kernel="attention", shape=f"seq_lens={seq_lens} q_lens={q_lens} heads={heads} "
-                                f"D={head_dim} page={page} (+2 in HND order)", dtype=str(dtype), launches=len(outs),
+                                f"D={head_dim} page={page} (+ HND order, + TMA at 64-key pages)", dtype=str(dtype), launches=len(outs),
                                 identical=sum(same), contract_change_changes_bits=not torch.equal(outs[0], other)))
     return results
 

@@ -83,12 +83,26 @@ def _coordinates(HEADS_FASTEST: tl.constexpr):
 @triton.jit
 def _chunk(q, m, l, acc, n0, b, kvh, positions, seq_len, q_row_ok, ones, k_cache_ptr, v_cache_ptr, block_table_ptr,
            stride_bt, stride_kp, stride_kr, stride_kh, scale_log2e, offs_d,
-           PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IS_BF16: tl.constexpr, UPCAST: tl.constexpr,
-           MASKED: tl.constexpr):
+           PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, IS_BF16: tl.constexpr,
+           UPCAST: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr):
     """One KV chunk of the recurrence in the module docstring. MASKED=False only for chunks every
-    row of the tile sees entirely; the unmasked formulas are the masked ones with every key visible."""
+    row of the tile sees entirely; the unmasked formulas are the masked ones with every key visible.
+    TMA: the chunk lies in one page and the caches are tensor descriptors of 2-D views whose rows
+    are one token apart (row stride ``stride_kr``): one head's BLOCK_N keys are a (BLOCK_N,
+    HEAD_DIM) block at the row and column of its first element. The copy engine brings the same
+    K/V rows (keys past the sequence are zeroed below, as the masked pointer loads zero them)."""
     keys = n0 + tl.arange(0, BLOCK_N)
-    if PAGE_SIZE % BLOCK_N == 0:  # the chunk lies in one page
+    if TMA:
+        page = tl.load(block_table_ptr + b * stride_bt + n0 // PAGE_SIZE)
+        first = page.to(tl.int64) * stride_kp + kvh * stride_kh + (n0 % PAGE_SIZE) * stride_kr
+        row = (first // stride_kr).to(tl.int32)
+        col = (first % stride_kr).to(tl.int32)
+        k = k_cache_ptr.load([row, col])
+        v = v_cache_ptr.load([row, col])
+        if MASKED:
+            key_ok = keys < seq_len
+            v = tl.where(key_ok[:, None], v, 0.0)  # never-written slots may hold NaN: 0 * NaN is NaN
+    elif PAGE_SIZE % BLOCK_N == 0:  # the chunk lies in one page
         page = tl.load(block_table_ptr + b * stride_bt + n0 // PAGE_SIZE).to(tl.int64)
         kv_rows = page * stride_kp + (n0 % PAGE_SIZE + tl.arange(0, BLOCK_N)) * stride_kr
     else:
@@ -97,14 +111,15 @@ def _chunk(q, m, l, acc, n0, b, kvh, positions, seq_len, q_row_ok, ones, k_cache
         else:
             page = tl.load(block_table_ptr + b * stride_bt + keys // PAGE_SIZE)
         kv_rows = page.to(tl.int64) * stride_kp + (keys % PAGE_SIZE) * stride_kr
-    kv_off = kv_rows[:, None] + kvh * stride_kh + offs_d[None, :]
-    if MASKED:
-        key_ok = keys < seq_len
-        k = tl.load(k_cache_ptr + kv_off, mask=key_ok[:, None], other=0.0)
-        v = tl.load(v_cache_ptr + kv_off, mask=key_ok[:, None], other=0.0)
-    else:
-        k = tl.load(k_cache_ptr + kv_off)
-        v = tl.load(v_cache_ptr + kv_off)
+    if not TMA:
+        kv_off = kv_rows[:, None] + kvh * stride_kh + offs_d[None, :]
+        if MASKED:
+            key_ok = keys < seq_len
+            k = tl.load(k_cache_ptr + kv_off, mask=key_ok[:, None], other=0.0)
+            v = tl.load(v_cache_ptr + kv_off, mask=key_ok[:, None], other=0.0)
+        else:
+            k = tl.load(k_cache_ptr + kv_off)
+            v = tl.load(v_cache_ptr + kv_off)
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -208,7 +223,9 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part
                       PAGE_SIZE: tl.constexpr, KV_SPLIT: tl.constexpr, GROUP_PAD: tl.constexpr,
                       HEAD_SPLIT: tl.constexpr, HEADS_FASTEST: tl.constexpr, SPLITS_PER_PROGRAM: tl.constexpr,
                       BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT_PARALLEL: tl.constexpr,
-                      IS_BF16: tl.constexpr, UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr):
+                      IS_BF16: tl.constexpr, UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
+                      TMA: tl.constexpr):
+    """k_cache_ptr, v_cache_ptr: pointers, or with TMA tensor descriptors (``_chunk``)."""
     tile_index, head_program, split = _coordinates(HEADS_FASTEST)
     # Highest tile first: later tiles of a sequence see more keys, so the long ones start early.
     tile = num_tiles - 1 - tile_index
@@ -259,14 +276,14 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part
     for n0 in range(lo, full_end, BLOCK_N):
         m, l, acc = _chunk(q, m, l, acc, n0, b, kvh, positions, seq_len, q_row_ok, ones, k_cache_ptr, v_cache_ptr,
                            block_table_ptr, stride_bt, stride_kp, stride_kr, stride_kh, scale_log2e, offs_d,
-                           PAGE_SIZE, BLOCK_N, IS_BF16, UPCAST, False)
+                           PAGE_SIZE, BLOCK_N, HEAD_DIM, IS_BF16, UPCAST, False, TMA)
         big_m, big_l, big_a, m, l, acc = _end_of_chunk(
             big_m, big_l, big_a, m, l, acc, n0, hi, q_row_ok, positions, token, head, num_q_heads, max_splits,
             part_m_ptr, part_l_ptr, part_a_ptr, offs_d, HEAD_DIM, BLOCK_N, KV_SPLIT, SPLIT_PARALLEL, SPLITS_PER_PROGRAM)
     for n0 in range(full_end, hi, BLOCK_N):
         m, l, acc = _chunk(q, m, l, acc, n0, b, kvh, positions, seq_len, q_row_ok, ones, k_cache_ptr, v_cache_ptr,
                            block_table_ptr, stride_bt, stride_kp, stride_kr, stride_kh, scale_log2e, offs_d,
-                           PAGE_SIZE, BLOCK_N, IS_BF16, UPCAST, True)
+                           PAGE_SIZE, BLOCK_N, HEAD_DIM, IS_BF16, UPCAST, True, TMA)
         big_m, big_l, big_a, m, l, acc = _end_of_chunk(
             big_m, big_l, big_a, m, l, acc, n0, hi, q_row_ok, positions, token, head, num_q_heads, max_splits,
             part_m_ptr, part_l_ptr, part_a_ptr, offs_d, HEAD_DIM, BLOCK_N, KV_SPLIT, SPLIT_PARALLEL, SPLITS_PER_PROGRAM)
@@ -290,8 +307,11 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part
 
 @triton.jit
 def _merge_kernel(part_m_ptr, part_l_ptr, part_a_ptr, part_pos_ptr, out_ptr, stride_ot, stride_oh, num_q_heads,
-                  max_splits, KV_SPLIT: tl.constexpr, HEAD_DIM: tl.constexpr, IS_BF16: tl.constexpr):
-    """Merge the splits of one (token, head) in ascending order; the same formula as in-kernel."""
+                  max_splits, KV_SPLIT: tl.constexpr, HEAD_DIM: tl.constexpr, IS_BF16: tl.constexpr,
+                  STAGES: tl.constexpr):
+    """Merge the splits of one (token, head) in ascending order; the same formula as in-kernel.
+    STAGES: the loop's software-pipeline depth (loads of later splits in flight; the adds stay in
+    split order)."""
     token = tl.program_id(0)
     head = tl.program_id(1)
     position = tl.load(part_pos_ptr + token)
@@ -300,7 +320,7 @@ def _merge_kernel(part_m_ptr, part_l_ptr, part_a_ptr, part_pos_ptr, out_ptr, str
     big_l = zero_scalar()
     big_a = tl.zeros((HEAD_DIM,), dtype=tl.float32)
     base = (token.to(tl.int64) * num_q_heads + head) * max_splits
-    for split in range(0, position // KV_SPLIT + 1):
+    for split in tl.range(0, position // KV_SPLIT + 1, num_stages=STAGES):
         m = tl.load(part_m_ptr + base + split)
         l = tl.load(part_l_ptr + base + split)
         acc = tl.load(part_a_ptr + (base + split) * HEAD_DIM + offs_d)
@@ -322,7 +342,7 @@ def _launch_shape(tokens: int, num_seqs: int, group_pad: int) -> dict:
     read the same pages' K/V of every KV head side by side, and prefill's longest tiles of every head start first
     (tiles fastest started every head's long tiles one head after another: prefill at L = 1024 /
     2048 took 1.29 / 1.17x longer, 1% less at 4096; decode up to 3% longer at batch >= 8)."""
-    base = dict(head_split=1, heads_fastest=True, splits_per_program=1)
+    base = dict(head_split=1, heads_fastest=True, splits_per_program=1, tma=False, merge_stages=3)
     if INTERPRET:  # programs run one after another: parallel splits only add work
         return dict(base, rows=16, num_warps=4, num_stages=1, decode=False)
     if tokens <= 16 * num_seqs:
@@ -335,6 +355,28 @@ def _launch_shape(tokens: int, num_seqs: int, group_pad: int) -> dict:
     # Prefill, MMA bound: 64 query rows (one warpgroup) per program; 128 rows on 8 warps measured
     # 2-4% slower at L = 2048..8192.
     return dict(base, rows=64, num_warps=4, num_stages=2, decode=False)
+
+
+def _tma_ok(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_chunk: int) -> bool:
+    """Descriptor loads (``_chunk``) need bf16 caches on a GPU, every chunk inside one page (page
+    size a multiple of the chunk), 16-byte aligned bases and token stride, head_dim contiguous, and
+    each head's row inside one row of the token-rows view: true of NHD and HND (hal.kvcache)."""
+    def fits(t):
+        pages, page, heads, dim = t.shape
+        rows = t.stride(1)
+        return (t.dtype == torch.bfloat16 and t.stride(3) == 1 and t.data_ptr() % 16 == 0 and rows * 2 % 16 == 0
+                and t.stride(0) % rows == 0 and all(h * t.stride(2) % rows + dim <= rows for h in range(heads)))
+    return not INTERPRET and k_cache.shape[1] % kv_chunk == 0 and fits(k_cache) and fits(v_cache)
+
+
+def _token_rows_descriptor(cache: torch.Tensor, kv_chunk: int):
+    """A tensor descriptor of ``cache`` seen as 2-D rows one token apart (row stride ``stride(1)``)
+    with (kv_chunk, head_dim) blocks: NHD rows hold every head of a token, HND rows one head's."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    rows = cache.stride(1)
+    span = 1 + sum((size - 1) * stride for size, stride in zip(cache.shape, cache.stride()))
+    return TensorDescriptor(cache, [triton.cdiv(span, rows), rows], [rows, 1], [kv_chunk, cache.shape[3]])
 
 
 def _splits_per_program(programs: int, sms: int) -> int:
@@ -351,12 +393,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float, kv_chunk: int, kv_split: int,
                     split_parallel: bool | None = None, block_q: int | None = None,
                     num_warps: int | None = None, num_stages: int | None = None, head_split: int | None = None,
-                    heads_fastest: bool | None = None, splits_per_program: int | None = None) -> torch.Tensor:
+                    heads_fastest: bool | None = None, splits_per_program: int | None = None,
+                    tma: bool | None = None, merge_stages: int | None = None) -> torch.Tensor:
     """q (T, Hq, D); caches (pages, P, Hkv, D); metadata as in hal.backend.AttentionMetadata.
     ``split_parallel``, ``block_q``, ``num_warps``, ``num_stages``, ``head_split`` (programs per KV
     head, each taking a slice of its query heads; a power of two up to the padded group),
-    ``heads_fastest`` (program numbering) and ``splits_per_program`` (with parallel splits) override
-    the launch shape (tests and tuning); they never change the bits."""
+    ``heads_fastest`` (program numbering), ``splits_per_program`` (with parallel splits), ``tma``
+    (K/V by tensor descriptor where ``_tma_ok``) and ``merge_stages`` (the merge loop's pipeline
+    depth) override the launch shape (tests and tuning); they never change the bits."""
     tokens, q_heads, head_dim = q.shape
     page, kv_heads = k_cache.shape[1], k_cache.shape[2]
     num_seqs = seq_lens.shape[0]
@@ -388,16 +432,21 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         # up to batch 64 x 32k keys); prefill merges in-kernel (no partials to write).
         split_parallel = (max_splits > 1 and (shape["decode"] or num_tiles * kv_heads * head_split < 264)
                           and not INTERPRET)
+    tma = (shape["tma"] if tma is None else tma) and _tma_ok(k_cache, v_cache, kv_chunk)
     scale_log2e = float(np.float32(scale / math.log(2.0)))  # fp64 -> fp32, round to nearest
     is_bf16 = q.dtype == torch.bfloat16
     per_program = min(splits_per_program, max_splits) if split_parallel else 1
     meta = dict(PAGE_SIZE=page, KV_SPLIT=split, GROUP_PAD=group_pad, HEAD_SPLIT=head_split,
                 SPLITS_PER_PROGRAM=per_program, HEADS_FASTEST=heads_fastest, BLOCK_Q=block_q, HEAD_DIM=head_dim,
-                IS_BF16=is_bf16, UPCAST=INTERPRET and is_bf16, BLOCK_N=kv_chunk, BLOCK_B=BLOCK_B,
+                IS_BF16=is_bf16, UPCAST=INTERPRET and is_bf16, BLOCK_N=kv_chunk, BLOCK_B=BLOCK_B, TMA=tma,
                 num_warps=num_warps or shape["num_warps"], num_stages=num_stages or shape["num_stages"], **LAUNCH)
     strides = (q.stride(0), q.stride(1), block_table.stride(0), k_cache.stride(0), k_cache.stride(1),
                k_cache.stride(2), out.stride(0), out.stride(1))
     head_programs = kv_heads * head_split
+    if tma:
+        k_arg, v_arg = _token_rows_descriptor(k_cache, kv_chunk), _token_rows_descriptor(v_cache, kv_chunk)
+    else:
+        k_arg, v_arg = k_cache, v_cache
 
     def grid(splits):
         return (head_programs, splits, num_tiles) if heads_fastest else (num_tiles, head_programs, splits)
@@ -407,12 +456,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         part_m, part_l, part_a = parts.split([rows, rows, head_dim * rows])
         part_pos = torch.empty(tokens, device=q.device, dtype=torch.int32)
         _attention_kernel[grid(triton.cdiv(max_splits, per_program))](
-            q, k_cache, v_cache, out, part_m, part_l, part_a, part_pos, query_start_loc, seq_lens, block_table,
+            q, k_arg, v_arg, out, part_m, part_l, part_a, part_pos, query_start_loc, seq_lens, block_table,
             num_seqs, num_tiles, *strides, q_heads, max_splits, scale_log2e, group, SPLIT_PARALLEL=True, **meta)
+        merge_stages = merge_stages or shape["merge_stages"]
         _merge_kernel[(tokens, q_heads)](part_m, part_l, part_a, part_pos, out, out.stride(0), out.stride(1), q_heads,
-                                         max_splits, KV_SPLIT=split, HEAD_DIM=head_dim, IS_BF16=is_bf16, **LAUNCH)
+                                         max_splits, KV_SPLIT=split, HEAD_DIM=head_dim, IS_BF16=is_bf16,
+                                         STAGES=merge_stages, **LAUNCH)
     else:
         _attention_kernel[grid(1)](
-            q, k_cache, v_cache, out, out, out, out, out, query_start_loc, seq_lens, block_table, num_seqs, num_tiles,
+            q, k_arg, v_arg, out, out, out, out, out, query_start_loc, seq_lens, block_table, num_seqs, num_tiles,
             *strides, q_heads, 1, scale_log2e, group, SPLIT_PARALLEL=False, **meta)
     return out
