@@ -10,7 +10,8 @@ it cannot be captured) and checks that ours and v0 give bitwise equal outputs on
   GEMM        cuda vs torch.mm (cuBLAS), M in 1..8192 for the Llama-8B and lm_head shapes, and the
               weight-read roofline (bytes of W / copy bandwidth)
   prefill     cuda paged attention vs torch SDPA (flash) on the same causal problem
-  decode      cuda paged attention vs SDPA (default dispatch) on contiguous KV; achieved KV bandwidth
+  decode      cuda paged attention vs SDPA (default dispatch) on contiguous KV; achieved KV bandwidth;
+              16-token pages (vLLM's default) and, as decode_page64, the same keys in 64-token pages
   rows        RMSNorm + residual, SiLU*up (vs torch), token logprobs (vs log_softmax + gather)
 
     python bench/bench_cuda.py --json bench.json [--quick] [--only gemm,attention,rows]
@@ -207,11 +208,15 @@ def attention_rows(backend, ceil, quick):
             n_sets = copies(kv_bytes)
             paged = [paged_problem([ctx] * batch, [1] * batch, hq, hkv, d, 16) for _ in range(n_sets)]
             sdpa = [sdpa_problem(batch, 1, ctx, hq, hkv, d) for _ in range(n_sets)]
-            row = _attention_row(backend, paged, sdpa, causal=False)
-            del paged, sdpa
-            rows.append(dict(op="decode", shape=f"B={batch} ctx={ctx}", **row,
-                             kv_GBps=kv_bytes / row["ours_graph_ms"] / 1e6,
-                             hbm_frac=kv_bytes / row["ours_graph_ms"] / 1e6 / ceil["read_GBps"]))
+            # vLLM's default 16-token pages ("decode"), then the same keys in 64-token pages
+            # ("decode_page64": one page-table read per 64-key chunk; the bits are the same).
+            for op, page in (("decode", 16), ("decode_page64", 64)):
+                sets = paged if page == 16 else [relayout(p, page, "NHD") for p in paged]
+                row = _attention_row(backend, sets, sdpa, causal=False)
+                rows.append(dict(op=op, shape=f"B={batch} ctx={ctx}", **row,
+                                 kv_GBps=kv_bytes / row["ours_graph_ms"] / 1e6,
+                                 hbm_frac=kv_bytes / row["ours_graph_ms"] / 1e6 / ceil["read_GBps"]))
+            del paged, sets, sdpa
     return rows
 
 

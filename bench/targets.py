@@ -88,6 +88,10 @@ TARGETS = [
     Target("decode >= 70% of the HBM read ceiling (ctx >= 4096)", "decode", 0.70, "read fraction",
            lambda s: s["ctx"] >= 4096),
     Target("decode >= SDPA on contiguous KV (batch >= 8)", "decode", 1.00, "ratio", lambda s: s["B"] >= 8),
+    # The same decode on 64-token pages (bench_cuda.py's decode_page64 rows, from the fourth round).
+    Target("decode, 64-token pages: >= 70% of the read ceiling (ctx >= 4096)", "decode_page64", 0.70,
+           "read fraction", lambda s: s["ctx"] >= 4096),
+    Target("decode, 64-token pages: >= SDPA (batch >= 8)", "decode_page64", 1.00, "ratio", lambda s: s["B"] >= 8),
     Target("RMSNorm + residual >= 0.90x torch or >= 80% of HBM", "rms_norm+res", 0.90, "ratio",
            bandwidth_alternative=0.80),
     Target("SiLU*up >= 0.90x torch or >= 80% of HBM", "silu_mul", 0.90, "ratio", bandwidth_alternative=0.80),

@@ -342,7 +342,9 @@ def _launch_shape(tokens: int, num_seqs: int, group_pad: int) -> dict:
     read the same pages' K/V of every KV head side by side, and prefill's longest tiles of every head start first
     (tiles fastest started every head's long tiles one head after another: prefill at L = 1024 /
     2048 took 1.29 / 1.17x longer, 1% less at 4096; decode up to 3% longer at batch >= 8)."""
-    base = dict(head_split=1, heads_fastest=True, splits_per_program=1, tma=False, merge_stages=3)
+    # merge_stages=1: the merge loop unpipelined (3 stages: 15% slower at B = 1 x 32k keys, 6: within
+    # 1-2% of 1; bench/results/h200-2026-11-29-session5/sweep_6).
+    base = dict(head_split=1, heads_fastest=True, splits_per_program=1, tma=False, merge_stages=1)
     if INTERPRET:  # programs run one after another: parallel splits only add work
         return dict(base, rows=16, num_warps=4, num_stages=1, decode=False)
     if tokens <= 16 * num_seqs:
@@ -350,11 +352,14 @@ def _launch_shape(tokens: int, num_seqs: int, group_pad: int) -> dict:
         # the depth at which Triton 3.6 double-buffers the page-table-indirect K/V loads (with 3
         # or 4 its TTGIR has one buffer, waited for at the top of every chunk). The GQA group's
         # query heads stay in one program: split over 2 or 4 programs, each streams the whole K/V
-        # (1.2-4x slower).
+        # (1.2-4x slower). K/V by pointer: tensor descriptors measured 4-8% slower here (16-row
+        # tiles take their MMA operands from registers: 215-220 registers with descriptors, 189-193
+        # without, at 64-key pages). Warps: ``_decode_programs``.
         return dict(base, rows=16, num_warps=4, num_stages=5, decode=True)
     # Prefill, MMA bound: 64 query rows (one warpgroup) per program; 128 rows on 8 warps measured
-    # 2-4% slower at L = 2048..8192.
-    return dict(base, rows=64, num_warps=4, num_stages=2, decode=False)
+    # 2-4% slower at L = 2048..8192. K/V by tensor descriptor where the pages allow (64-key pages):
+    # 1-2% faster at L = 512..8192 (sweep_6).
+    return dict(base, tma=True, rows=64, num_warps=4, num_stages=2, decode=False)
 
 
 def _tma_ok(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_chunk: int) -> bool:
@@ -379,14 +384,20 @@ def _token_rows_descriptor(cache: torch.Tensor, kv_chunk: int):
     return TensorDescriptor(cache, [triton.cdiv(span, rows), rows], [rows, 1], [kv_chunk, cache.shape[3]])
 
 
-def _splits_per_program(programs: int, sms: int) -> int:
-    """Parallel splits per decode program, from the number of one-split programs. One-split
-    programs run 3 to a multiprocessor (157 registers, 70 KB of shared memory); when they need a
-    second, partial wave (between 3 and 4 per multiprocessor: B = 1 x 32k or 8 x 4096 keys, 512
-    programs on 132), programs of two splits (244 registers: 2 per multiprocessor) fit in one:
-    1.17 / 1.27x faster there. Elsewhere one split (two: 1.7x slower at 64 programs, 2-5% slower at
-    4096 programs and more) - bench/results/h200-2026-11-29-session4/sweep_4."""
-    return 2 if 3 * sms < programs <= 4 * sms else 1
+def _decode_programs(programs: int, sms: int) -> tuple[int, int]:
+    """(parallel splits per decode program, warps per program), from the number of one-split
+    programs. One-split programs run 3 to a multiprocessor (157 registers, 70 KB of shared memory);
+    when they need a second, partial wave (between 3 and 4 per multiprocessor: B = 1 x 32k or 8 x
+    4096 keys, 512 programs on 132), programs of two splits (244 registers: 2 per multiprocessor)
+    fit in one: 1.17 / 1.27x faster there. Elsewhere one split (two: 1.7x slower at 64 programs,
+    2-5% slower at 4096 programs and more) - bench/results/h200-2026-11-29-session4/sweep_4.
+    Many programs (over 16 per multiprocessor: B >= 8 x 32k, 64 x 4096) run on 2 warps: 2-4%
+    faster at 4096-16384 programs, 3% slower at 512 and at B = 1 (h200-2026-11-29-session5/sweep_6):
+    the 16-row tile's row max and sum then cross 2 warps instead of 4."""
+    if sms == 0:  # not a CUDA device (multiprocessors() is 0): the plain shape
+        return 1, 4
+    splits = 2 if 3 * sms < programs <= 4 * sms else 1
+    return splits, 2 if splits == 1 and programs > 16 * sms else 4
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start_loc: torch.Tensor,
@@ -420,11 +431,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     heads_fastest = heads_fastest and num_tiles <= 65535  # grid axis 2 holds at most 65535 programs
     split = triton.cdiv(kv_split or block_table.shape[1] * page, kv_chunk) * kv_chunk
     max_splits = max(1, triton.cdiv(block_table.shape[1] * page, split))
+    decode_splits, decode_warps = _decode_programs(num_tiles * kv_heads * head_split * max_splits,
+                                                   multiprocessors(q.device))
     if splits_per_program is None:
-        splits_per_program = shape["splits_per_program"]
-        if shape["decode"]:
-            splits_per_program = _splits_per_program(num_tiles * kv_heads * head_split * max_splits,
-                                                     multiprocessors(q.device))
+        splits_per_program = decode_splits if shape["decode"] else shape["splits_per_program"]
+    if num_warps is None and shape["decode"] and splits_per_program == decode_splits:
+        num_warps = decode_warps
     if splits_per_program < 1:
         raise ValueError(f"splits_per_program must be >= 1, got {splits_per_program}")
     if split_parallel is None:
