@@ -357,8 +357,8 @@ def _launch_shape(tokens: int, num_seqs: int, group_pad: int) -> dict:
         # without, at 64-key pages). Warps: ``_decode_programs``.
         return dict(base, rows=16, num_warps=4, num_stages=5, decode=True)
     # Prefill, MMA bound: 64 query rows (one warpgroup) per program; 128 rows on 8 warps measured
-    # 2-4% slower at L = 2048..8192. K/V by tensor descriptor where the pages allow (64-key pages):
-    # 1-2% faster at L = 512..8192 (sweep_6).
+    # 2-4% slower at L = 2048..8192. K/V by tensor descriptor where the pages allow (64-key pages)
+    # and the call has 1024 query tokens or more: 0.2-2% faster at L = 512..8192 (sweep_6).
     return dict(base, tma=True, rows=64, num_warps=4, num_stages=2, decode=False)
 
 
@@ -444,7 +444,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         # up to batch 64 x 32k keys); prefill merges in-kernel (no partials to write).
         split_parallel = (max_splits > 1 and (shape["decode"] or num_tiles * kv_heads * head_split < 264)
                           and not INTERPRET)
-    tma = (shape["tma"] if tma is None else tma) and _tma_ok(k_cache, v_cache, kv_chunk)
+    if tma is None:  # descriptors cost the host ~40 us a call; below 1024 query tokens they save < 1 us
+        tma = shape["tma"] and tokens >= 1024
+    tma = tma and _tma_ok(k_cache, v_cache, kv_chunk)
     scale_log2e = float(np.float32(scale / math.log(2.0)))  # fp64 -> fp32, round to nearest
     is_bf16 = q.dtype == torch.bfloat16
     per_program = min(splits_per_program, max_splits) if split_parallel else 1
