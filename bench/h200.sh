@@ -50,8 +50,11 @@ for step in $steps; do
     sweep) (cd "$repo/bench" && python3 speed_sweep.py --graph --only "${SWEEP_ONLY:-attention}" \
               --json "$out/sweep.json") > "$out/sweep.log" 2>&1 || status=1
            grep -vE '^(out of resources|graph capture)' "$out/sweep.log" | tail -n 40 ;;
-    profile) python3 "$repo/bench/profile_kernels.py" --out "$out/profile" ${PROFILE_CASES:+--cases $PROFILE_CASES} \
+    profile) # reports stay on the machine (the device tool returns few files): JSON, log and the CSVs in one archive
+             python3 "$repo/bench/profile_kernels.py" --out /tmp/profile ${PROFILE_CASES:+--cases $PROFILE_CASES} \
                > "$out/profile.log" 2>&1 || status=1
+             cp /tmp/profile/profile.json "$out/" 2>/dev/null
+             tar czf "$out/profile_csv.tgz" -C /tmp/profile $(cd /tmp/profile && ls *.csv *.log 2>/dev/null)
              tail -n 40 "$out/profile.log" ;;
     *) echo "unknown step $step"; status=2 ;;
   esac

@@ -146,8 +146,9 @@ def summary(metrics: dict) -> dict:
         value, unit = metrics.get(name, (float("nan"), ""))
         if not isinstance(value, float):
             return float("nan")
-        factor = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "byte": 1e-9, "Kbyte": 1e-6, "Mbyte": 1e-3,
-                  "Gbyte": 1.0, "KB": 1e-6, "MB": 1e-3, "GB": 1.0}.get(unit)
+        factor = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3,
+                  "byte": 1e-9, "Kbyte": 1e-6, "Mbyte": 1e-3, "Gbyte": 1.0, "KB": 1e-6, "MB": 1e-3,
+                  "GB": 1.0}.get(unit)
         return value * factor / to if factor is not None else float("nan")
     stalls = {m.group(1): metrics[name][0] for name in metrics
               if (m := re.fullmatch(r"smsp__average_warps_issue_stalled_(\w+)_per_issue_active\.ratio", name))
