@@ -367,7 +367,7 @@ def _tma_ok(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_chunk: int) -> bool
     size a multiple of the chunk), 16-byte aligned bases and token stride, head_dim contiguous, and
     each head's row inside one row of the token-rows view: true of NHD and HND (hal.kvcache)."""
     def fits(t):
-        pages, page, heads, dim = t.shape
+        _, _, heads, dim = t.shape
         rows = t.stride(1)
         return (t.dtype == torch.bfloat16 and t.stride(3) == 1 and t.data_ptr() % 16 == 0 and rows * 2 % 16 == 0
                 and t.stride(0) % rows == 0 and all(h * t.stride(2) % rows + dim <= rows for h in range(heads)))
