@@ -121,20 +121,27 @@ def gemm_rows(backend, ceil, quick):
     return rows
 
 
-def paged_problem(seq_lens, q_lens, hq, hkv, d, page, dtype=torch.bfloat16, layout="NHD"):
-    """Random q and caches (pages in random order) in memory order ``layout`` (hal.kvcache)."""
+def paged_caches(seq_lens, q_lens, hkv, d, page, dtype=torch.bfloat16, layout="NHD"):
+    """Zeroed caches for these sequences, pages handed out in random order, in memory order
+    ``layout`` (hal.kvcache), and their metadata."""
     total_pages = sum(-(-n // page) for n in seq_lens)
     k_cache = cache_tensor(total_pages, page, hkv, d, dtype, "cuda", layout)
     v_cache = cache_tensor(total_pages, page, hkv, d, dtype, "cuda", layout)
-    k_cache.normal_()
-    v_cache.normal_()
     perm = torch.randperm(total_pages).tolist()
     lists, at = [], 0
     for n in seq_lens:
         lists.append(perm[at: at + -(-n // page)])
         at += -(-n // page)
+    return k_cache, v_cache, build_metadata(q_lens, seq_lens, lists, "cuda")
+
+
+def paged_problem(seq_lens, q_lens, hq, hkv, d, page, dtype=torch.bfloat16, layout="NHD"):
+    """Random q and caches (``paged_caches`` filled with random values)."""
+    k_cache, v_cache, meta = paged_caches(seq_lens, q_lens, hkv, d, page, dtype, layout)
+    k_cache.normal_()
+    v_cache.normal_()
     q = torch.randn(sum(q_lens), hq, d, device="cuda", dtype=dtype)
-    return q, k_cache, v_cache, build_metadata(q_lens, seq_lens, lists, "cuda")
+    return q, k_cache, v_cache, meta
 
 
 def relayout(problem, page, layout):
@@ -145,8 +152,7 @@ def relayout(problem, page, layout):
     q_lens = (meta.query_start_loc[1:] - meta.query_start_loc[:-1]).tolist()
     seq_lens = meta.seq_lens.tolist()
     old_page = k_cache.shape[1]
-    out = paged_problem(seq_lens, q_lens, q.shape[1], k_cache.shape[2], q.shape[2], page, q.dtype, layout)
-    new_k, new_v, new_meta = out[1], out[2], out[3]
+    new_k, new_v, new_meta = paged_caches(seq_lens, q_lens, k_cache.shape[2], q.shape[2], page, q.dtype, layout)
     for b, n in enumerate(seq_lens):
         pos = torch.arange(n, device=q.device)
         old_pages = meta.block_table[b, pos // old_page].long()

@@ -1,10 +1,10 @@
 """Prove on the GPU that each cuda kernel's launch shape does not change its bits.
 
 The contract fixes the reduction structure; tiles, warps, stages, split-K / split-KV parallelism,
-query-tile sizes and the KV cache's memory order are left free. This script runs every kernel of the cuda backend under many
-launch shapes on the same random inputs and checks that every output is bitwise equal
-(``torch.equal``) to the first one. As a negative control it also changes a contract number
-(k_chunk, kv_chunk, row block) and checks that the bits *do* change.
+query-tile sizes and the KV cache's memory order are left free. This script runs every kernel of
+the cuda backend under many launch shapes on the same random inputs and checks that every output
+is bitwise equal (``torch.equal``) to the first one. As a negative control it also changes a
+contract number (k_chunk, kv_chunk, row block) and checks that the bits *do* change.
 
     python bench/tile_freedom.py --json results.json
 """
@@ -103,7 +103,8 @@ def attention_cases(backend, g):
             same = [torch.equal(outs[0], o) for o in outs]
             other = attention.paged_attention(*args, spec.kv_chunk // 2, spec.kv_split, **launches[0])
             results.append(dict(kernel="attention", shape=f"seq_lens={seq_lens} q_lens={q_lens} heads={heads} "
-                                f"D={head_dim} page={page} (+ HND order, + TMA at 64-key pages)", dtype=str(dtype), launches=len(outs),
+                                f"D={head_dim} page={page} (+ HND order, + TMA at 64-key pages)", dtype=str(dtype),
+                                launches=len(outs),
                                 identical=sum(same), contract_change_changes_bits=not torch.equal(outs[0], other)))
     return results
 
