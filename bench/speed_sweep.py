@@ -181,17 +181,20 @@ DECODE_VARIANTS = [dict(), dict(heads_fastest=False, splits_per_program=1)] + [
     dict(heads_fastest=True, splits_per_program=g) for g in (1, 2, 4, 8)] + [
     dict(heads_fastest=True, splits_per_program=2, num_stages=4),
     dict(heads_fastest=True, splits_per_program=1, num_warps=8), dict(heads_fastest=True, splits_per_program=2, num_warps=8)]
-# Fourth round: the cache's memory order and page size (hal.kvcache), each with the default launch
-# and with one and two splits per program. vLLM's NHD order puts one head's 256-byte key rows 2 KB
-# apart (8 KV heads); HND makes one head's page contiguous (4 KB at 16 tokens, 16 KB at 64), as
-# SDPA's contiguous K/V is. The same keys at the same positions in every layout: bitwise equal.
-# sweep_5 (all 4 orders x default, 1 and 2 splits per program): HND = NHD within 1%; 64-key pages
-# 2-4% faster than 16. sweep_6: 64-key pages with K/V by tensor descriptor (``tma``), the merge
-# loop's pipeline depth, 2 warps.
-DECODE_LAYOUTS = [("NHD", 16), ("NHD", 64), ("HND", 64)]
-DECODE_LAYOUT_LAUNCHES = [dict(), dict(tma=False, merge_stages=3), dict(tma=True, merge_stages=3),
-                          dict(tma=True, num_stages=3, merge_stages=3), dict(tma=False, merge_stages=1),
-                          dict(tma=False, merge_stages=6), dict(tma=False, merge_stages=3, num_warps=2)]
+# Fourth round: the cache's memory order and page size (hal.kvcache). vLLM's NHD order puts one
+# head's 256-byte key rows 2 KB apart (8 KV heads); HND makes one head's page contiguous. The same
+# keys at the same positions in every layout: bitwise equal. sweep_5 (NHD/HND x 16/64-key pages x
+# default, 1 and 2 splits per program): HND = NHD within 1%; 64-key pages 2-4% faster than 16.
+# sweep_6 (../h200-2026-11-29-session5): K/V by tensor descriptor (``tma``), the merge loop's
+# pipeline depth (``merge_stages`` 1/3/6, since removed: 3 was 15% slower at B = 1 x 32k), 2 warps.
+# Fifth round (this list): the merge kernel loading eight splits before folding them
+# (``merge_by_eight``), a deeper K/V pipeline (7 stages: three chunk buffers instead of two, 2
+# programs per multiprocessor instead of 3, by bench/sm90_report.py), and the 64-row MMA tile
+# (``block_q=16``: wgmma from shared memory, each warp's row max and sum inside the warp; 4x the
+# MMA work of the 16-row tile, of which only the GQA group's 4 rows are queries).
+DECODE_LAYOUTS = [("NHD", 16), ("NHD", 64)]
+DECODE_LAYOUT_LAUNCHES = [dict(), dict(merge_by_eight=True), dict(num_stages=7), dict(num_stages=7, merge_by_eight=True),
+                          dict(block_q=16, num_stages=3, merge_by_eight=True)]
 
 
 def _attention_variants(row, sets, spec, variants, ref):
@@ -281,6 +284,10 @@ def decode_sweep(spec, layouts=False):
             row["kernels_us"] = {name: kernel_times(lambda: attention.paged_attention(
                 q, kc, vc, meta.query_start_loc, meta.seq_lens, meta.block_table, d ** -0.5, spec.kv_chunk,
                 spec.kv_split, **v["cfg"])) for name, v in (("default", default), ("best", best))}
+        else:  # the merge kernel's share, on vLLM's layout: one split per step and eight at a time
+            row["kernels_us"] = {name: kernel_times(lambda: attention.paged_attention(
+                q, kc, vc, meta.query_start_loc, meta.seq_lens, meta.block_table, d ** -0.5, spec.kv_chunk,
+                spec.kv_split, merge_by_eight=eight)) for name, eight in (("by_one", False), ("by_eight", True))}
         print(f"decode {row['shape']:<16} sdpa {stock:.4f} default {default['ms']:.4f} best {best['ms']:.4f} "
               f"{best['cfg']} {best.get('layout', '')}{best.get('page', '')} ratio {stock / default['ms']:.2f} -> {stock / best['ms']:.2f} "
               f"{kv_bytes / best['ms'] / 1e6:.0f} GB/s kernels(us) {row.get('kernels_us', '-')} "
