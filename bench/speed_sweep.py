@@ -187,14 +187,14 @@ DECODE_VARIANTS = [dict(), dict(heads_fastest=False, splits_per_program=1)] + [
 # default, 1 and 2 splits per program): HND = NHD within 1%; 64-key pages 2-4% faster than 16.
 # sweep_6 (../h200-2026-11-29-session5): K/V by tensor descriptor (``tma``), the merge loop's
 # pipeline depth (``merge_stages`` 1/3/6, since removed: 3 was 15% slower at B = 1 x 32k), 2 warps.
-# Fifth round (this list): the merge kernel loading eight splits before folding them
-# (``merge_by_eight``), a deeper K/V pipeline (7 stages: three chunk buffers instead of two, 2
-# programs per multiprocessor instead of 3, by bench/sm90_report.py), and the 64-row MMA tile
-# (``block_q=16``: wgmma from shared memory, each warp's row max and sum inside the warp; 4x the
-# MMA work of the 16-row tile, of which only the GQA group's 4 rows are queries).
+# Fifth round (sweep_7 of ../h200-2026-11-29-session6; every variant bitwise equal, none faster
+# than the default): a deeper K/V pipeline (``num_stages=7``: three chunk buffers instead of two,
+# 2 programs per multiprocessor instead of 3, by bench/sm90_report.py; 1-8% slower), the 64-row
+# MMA tile (``block_q=16``: wgmma from shared memory, row max and sum inside each warp, 4x the MMA
+# work of the 16-row tile; 1.2-3.8x slower), and a merge kernel that loaded eight splits before
+# folding them (``merge_by_eight``, since removed: the merge kernel 10-33% slower).
 DECODE_LAYOUTS = [("NHD", 16), ("NHD", 64)]
-DECODE_LAYOUT_LAUNCHES = [dict(), dict(merge_by_eight=True), dict(num_stages=7), dict(num_stages=7, merge_by_eight=True),
-                          dict(block_q=16, num_stages=3, merge_by_eight=True)]
+DECODE_LAYOUT_LAUNCHES = [dict(), dict(num_stages=7), dict(block_q=16, num_stages=3)]
 
 
 def _attention_variants(row, sets, spec, variants, ref):
@@ -284,10 +284,10 @@ def decode_sweep(spec, layouts=False):
             row["kernels_us"] = {name: kernel_times(lambda: attention.paged_attention(
                 q, kc, vc, meta.query_start_loc, meta.seq_lens, meta.block_table, d ** -0.5, spec.kv_chunk,
                 spec.kv_split, **v["cfg"])) for name, v in (("default", default), ("best", best))}
-        else:  # the merge kernel's share, on vLLM's layout: one split per step and eight at a time
-            row["kernels_us"] = {name: kernel_times(lambda: attention.paged_attention(
+        else:  # the attention and merge kernels' shares on vLLM's layout, default launch
+            row["kernels_us"] = {"default": kernel_times(lambda: attention.paged_attention(
                 q, kc, vc, meta.query_start_loc, meta.seq_lens, meta.block_table, d ** -0.5, spec.kv_chunk,
-                spec.kv_split, merge_by_eight=eight)) for name, eight in (("by_one", False), ("by_eight", True))}
+                spec.kv_split))}
         print(f"decode {row['shape']:<16} sdpa {stock:.4f} default {default['ms']:.4f} best {best['ms']:.4f} "
               f"{best['cfg']} {best.get('layout', '')}{best.get('page', '')} ratio {stock / default['ms']:.2f} -> {stock / best['ms']:.2f} "
               f"{kv_bytes / best['ms'] / 1e6:.0f} GB/s kernels(us) {row.get('kernels_us', '-')} "

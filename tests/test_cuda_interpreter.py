@@ -116,23 +116,21 @@ def test_attention_across_kv_chunks_and_splits(cuda, reference, page_size):
         attention.paged_attention(*args, split_parallel=True, splits_per_program=-1)
 
 
-def test_split_merge_eight_splits_at_a_time_gives_the_same_bits(cuda):
-    """The merge kernel's two loops (one split per step; eight loaded at once) and the in-kernel
-    merge of the split walk fold the same splits in the same order. A 64-key split makes 8 or 9
-    splits for these 40 queries (a full block of eight, then a partial one), and up to 3 splits per
-    program. Negative control: a 128-key split changes the bits, so the splits reach them."""
+def test_split_merge_over_many_splits_gives_the_in_kernel_bits(cuda):
+    """The merge kernel (parallel splits, one or several per program) and the in-kernel merge of
+    the split walk fold the same splits in the same order: with a 64-key split these 40 queries
+    see 8 or 9 splits. Negative control: a 128-key split changes the bits, so the splits reach them."""
     from hal.backends.cuda import attention
     from hal.conformance.checks import AttentionCase
 
     case = AttentionCase(530, 2, 1, 64, torch.bfloat16, seed=3)
     chunk = cuda.contract.attention.kv_chunk
     args = _last_queries_of(case, 530, 40, 16, chunk, 64)
-    launches = [dict(split_parallel=False), dict(split_parallel=True, merge_by_eight=False),
-                dict(split_parallel=True, merge_by_eight=True),
-                dict(split_parallel=True, merge_by_eight=True, splits_per_program=3, block_q=4)]
+    launches = [dict(split_parallel=False), dict(split_parallel=True),
+                dict(split_parallel=True, splits_per_program=3, block_q=4)]
     outs = [attention.paged_attention(*args, **launch) for launch in launches]
-    assert all(torch.equal(outs[0], o) for o in outs[1:]), "merging eight splits at a time changed the bits"
-    other = attention.paged_attention(*args[:-1], 128, split_parallel=True, merge_by_eight=True)
+    assert all(torch.equal(outs[0], o) for o in outs[1:]), "the merge kernel and the in-kernel merge differ"
+    other = attention.paged_attention(*args[:-1], 128, split_parallel=True)
     assert not torch.equal(outs[0], other), "the split size does not reach the merged rows"
 
 

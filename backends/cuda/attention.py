@@ -306,68 +306,30 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part
 
 
 @triton.jit
-def _load_split(part_m_ptr, part_l_ptr, part_a_ptr, base, split, splits, offs_d, HEAD_DIM: tl.constexpr):
-    """One split's (m, l, acc); past the last split, the last split's (not folded in: ``_fold_split``)."""
-    split = tl.minimum(split, splits - 1)
-    m = tl.load(part_m_ptr + base + split)
-    l = tl.load(part_l_ptr + base + split)
-    acc = tl.load(part_a_ptr + (base + split) * HEAD_DIM + offs_d)
-    return m, l, acc
-
-
-@triton.jit
-def _fold_split(big_m, big_l, big_a, m, l, acc, merging):
-    """(M, L, A) after one more split, when ``merging`` (else unchanged)."""
-    m_merged = tl.maximum(big_m, m)
-    a = tl.exp2(big_m - m_merged)
-    bb = tl.exp2(m - m_merged)
-    big_l = tl.where(merging, big_l * a + l * bb, big_l)
-    big_a = tl.where(merging, big_a * a + acc * bb, big_a)
-    big_m = tl.where(merging, m_merged, big_m)
-    return big_m, big_l, big_a
-
-
-@triton.jit
 def _merge_kernel(part_m_ptr, part_l_ptr, part_a_ptr, part_pos_ptr, out_ptr, stride_ot, stride_oh, num_q_heads,
-                  max_splits, KV_SPLIT: tl.constexpr, HEAD_DIM: tl.constexpr, IS_BF16: tl.constexpr,
-                  BY_EIGHT: tl.constexpr):
+                  max_splits, KV_SPLIT: tl.constexpr, HEAD_DIM: tl.constexpr, IS_BF16: tl.constexpr):
     """Merge the splits of one (token, head) in ascending order; the same formula as in-kernel.
-    BY_EIGHT: eight splits per step, all eight loaded before the first is folded in (written out:
-    for a plain loop the compiler keeps the loads near their uses, 4 splits per L2 round trip;
-    here the 24 loads are issued first, by the sm_90 SASS, and the fold's chain is short).
-    Splits past the token's last leave the state untouched (split 0 always merges, so (M, L) are
-    finite when one does not); the others see the same operations on the same values."""
+    The loop is not software-pipelined: 3 stages measured 15% slower at B = 1 x 32k keys, 6 within
+    1-2% (h200-2026-11-29-session5/sweep_6); eight splits loaded before they were folded made this
+    kernel 10-33% slower at every decode shape (h200-2026-11-29-session6/sweep_7)."""
     token = tl.program_id(0)
     head = tl.program_id(1)
     position = tl.load(part_pos_ptr + token)
-    splits = position // KV_SPLIT + 1
     offs_d = tl.arange(0, HEAD_DIM)
     big_m = zero_scalar() + float("-inf")
     big_l = zero_scalar()
     big_a = tl.zeros((HEAD_DIM,), dtype=tl.float32)
     base = (token.to(tl.int64) * num_q_heads + head) * max_splits
-    if BY_EIGHT:
-        for s in tl.range(0, splits, 8, num_stages=1):  # unpipelined (3 stages: 15% slower, sweep_6)
-            m0, l0, a0 = _load_split(part_m_ptr, part_l_ptr, part_a_ptr, base, s, splits, offs_d, HEAD_DIM)
-            m1, l1, a1 = _load_split(part_m_ptr, part_l_ptr, part_a_ptr, base, s + 1, splits, offs_d, HEAD_DIM)
-            m2, l2, a2 = _load_split(part_m_ptr, part_l_ptr, part_a_ptr, base, s + 2, splits, offs_d, HEAD_DIM)
-            m3, l3, a3 = _load_split(part_m_ptr, part_l_ptr, part_a_ptr, base, s + 3, splits, offs_d, HEAD_DIM)
-            m4, l4, a4 = _load_split(part_m_ptr, part_l_ptr, part_a_ptr, base, s + 4, splits, offs_d, HEAD_DIM)
-            m5, l5, a5 = _load_split(part_m_ptr, part_l_ptr, part_a_ptr, base, s + 5, splits, offs_d, HEAD_DIM)
-            m6, l6, a6 = _load_split(part_m_ptr, part_l_ptr, part_a_ptr, base, s + 6, splits, offs_d, HEAD_DIM)
-            m7, l7, a7 = _load_split(part_m_ptr, part_l_ptr, part_a_ptr, base, s + 7, splits, offs_d, HEAD_DIM)
-            big_m, big_l, big_a = _fold_split(big_m, big_l, big_a, m0, l0, a0, s < splits)
-            big_m, big_l, big_a = _fold_split(big_m, big_l, big_a, m1, l1, a1, s + 1 < splits)
-            big_m, big_l, big_a = _fold_split(big_m, big_l, big_a, m2, l2, a2, s + 2 < splits)
-            big_m, big_l, big_a = _fold_split(big_m, big_l, big_a, m3, l3, a3, s + 3 < splits)
-            big_m, big_l, big_a = _fold_split(big_m, big_l, big_a, m4, l4, a4, s + 4 < splits)
-            big_m, big_l, big_a = _fold_split(big_m, big_l, big_a, m5, l5, a5, s + 5 < splits)
-            big_m, big_l, big_a = _fold_split(big_m, big_l, big_a, m6, l6, a6, s + 6 < splits)
-            big_m, big_l, big_a = _fold_split(big_m, big_l, big_a, m7, l7, a7, s + 7 < splits)
-    else:
-        for s in tl.range(0, splits, num_stages=1):
-            m, l, acc = _load_split(part_m_ptr, part_l_ptr, part_a_ptr, base, s, splits, offs_d, HEAD_DIM)
-            big_m, big_l, big_a = _fold_split(big_m, big_l, big_a, m, l, acc, s < splits)
+    for split in tl.range(0, position // KV_SPLIT + 1, num_stages=1):
+        m = tl.load(part_m_ptr + base + split)
+        l = tl.load(part_l_ptr + base + split)
+        acc = tl.load(part_a_ptr + (base + split) * HEAD_DIM + offs_d)
+        m_merged = tl.maximum(big_m, m)
+        a = tl.exp2(big_m - m_merged)
+        bb = tl.exp2(m - m_merged)
+        big_l = big_l * a + l * bb
+        big_a = big_a * a + acc * bb
+        big_m = m_merged
     out = tl.div_rn(big_a, big_l)
     tl.store(out_ptr + token.to(tl.int64) * stride_ot + head * stride_oh + offs_d, to_activation(out, IS_BF16))
 
@@ -380,7 +342,7 @@ def _launch_shape(tokens: int, num_seqs: int, group_pad: int) -> dict:
     read the same pages' K/V of every KV head side by side, and prefill's longest tiles of every head start first
     (tiles fastest started every head's long tiles one head after another: prefill at L = 1024 /
     2048 took 1.29 / 1.17x longer, 1% less at 4096; decode up to 3% longer at batch >= 8)."""
-    base = dict(head_split=1, heads_fastest=True, splits_per_program=1, tma=False, merge_by_eight=False)
+    base = dict(head_split=1, heads_fastest=True, splits_per_program=1, tma=False)
     if INTERPRET:  # programs run one after another: parallel splits only add work
         return dict(base, rows=16, num_warps=4, num_stages=1, decode=False)
     if tokens <= 16 * num_seqs:
@@ -441,13 +403,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     split_parallel: bool | None = None, block_q: int | None = None,
                     num_warps: int | None = None, num_stages: int | None = None, head_split: int | None = None,
                     heads_fastest: bool | None = None, splits_per_program: int | None = None,
-                    tma: bool | None = None, merge_by_eight: bool | None = None) -> torch.Tensor:
+                    tma: bool | None = None) -> torch.Tensor:
     """q (T, Hq, D); caches (pages, P, Hkv, D); metadata as in hal.backend.AttentionMetadata.
     ``split_parallel``, ``block_q``, ``num_warps``, ``num_stages``, ``head_split`` (programs per KV
     head, each taking a slice of its query heads; a power of two up to the padded group),
     ``heads_fastest`` (program numbering), ``splits_per_program`` (with parallel splits), ``tma``
-    (K/V by tensor descriptor where ``_tma_ok``) and ``merge_by_eight`` (the merge kernel loads
-    eight splits at a time) override the launch shape (tests and tuning); they never change the bits."""
+    (K/V by tensor descriptor where ``_tma_ok``) override the launch shape (tests and tuning); they never change the bits."""
     tokens, q_heads, head_dim = q.shape
     page, kv_heads = k_cache.shape[1], k_cache.shape[2]
     num_seqs = seq_lens.shape[0]
@@ -508,10 +469,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         _attention_kernel[grid(triton.cdiv(max_splits, per_program))](
             q, k_arg, v_arg, out, part_m, part_l, part_a, part_pos, query_start_loc, seq_lens, block_table,
             num_seqs, num_tiles, *strides, q_heads, max_splits, scale_log2e, group, SPLIT_PARALLEL=True, **meta)
-        merge_by_eight = shape["merge_by_eight"] if merge_by_eight is None else merge_by_eight
         _merge_kernel[(tokens, q_heads)](part_m, part_l, part_a, part_pos, out, out.stride(0), out.stride(1), q_heads,
-                                         max_splits, KV_SPLIT=split, HEAD_DIM=head_dim, IS_BF16=is_bf16,
-                                         BY_EIGHT=merge_by_eight, **LAUNCH)
+                                         max_splits, KV_SPLIT=split, HEAD_DIM=head_dim, IS_BF16=is_bf16, **LAUNCH)
     else:
         _attention_kernel[grid(1)](
             q, k_arg, v_arg, out, out, out, out, out, query_start_loc, seq_lens, block_table, num_seqs, num_tiles,
