@@ -32,6 +32,7 @@ ROUNDS = {
     "round 2": "h200-2026-11-29-session3/bench_cuda.json",
     "round 3": "h200-2026-11-29-session4/bench_cuda.json",
     "round 4": "h200-2026-11-29-session5/bench_cuda.json",
+    "round 5": "h200-2026-11-29-session6/bench_cuda.json",
 }
 ROUND_NOTES = {
     "round 1": "its decode rows that call 5 did not re-measure (B = 256; contexts 128 and 1024) timed SDPA's "
