@@ -407,8 +407,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """q (T, Hq, D); caches (pages, P, Hkv, D); metadata as in hal.backend.AttentionMetadata.
     ``split_parallel``, ``block_q``, ``num_warps``, ``num_stages``, ``head_split`` (programs per KV
     head, each taking a slice of its query heads; a power of two up to the padded group),
-    ``heads_fastest`` (program numbering), ``splits_per_program`` (with parallel splits), ``tma``
-    (K/V by tensor descriptor where ``_tma_ok``) override the launch shape (tests and tuning); they never change the bits."""
+    ``heads_fastest`` (program numbering), ``splits_per_program`` (with parallel splits) and ``tma``
+    (K/V by tensor descriptor where ``_tma_ok``) override the launch shape (tests and tuning); they
+    never change the bits."""
     tokens, q_heads, head_dim = q.shape
     page, kv_heads = k_cache.shape[1], k_cache.shape[2]
     num_seqs = seq_lens.shape[0]
