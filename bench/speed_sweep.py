@@ -284,10 +284,6 @@ def decode_sweep(spec, layouts=False):
             row["kernels_us"] = {name: kernel_times(lambda: attention.paged_attention(
                 q, kc, vc, meta.query_start_loc, meta.seq_lens, meta.block_table, d ** -0.5, spec.kv_chunk,
                 spec.kv_split, **v["cfg"])) for name, v in (("default", default), ("best", best))}
-        else:  # the attention and merge kernels' shares on vLLM's layout, default launch
-            row["kernels_us"] = {"default": kernel_times(lambda: attention.paged_attention(
-                q, kc, vc, meta.query_start_loc, meta.seq_lens, meta.block_table, d ** -0.5, spec.kv_chunk,
-                spec.kv_split))}
         print(f"decode {row['shape']:<16} sdpa {stock:.4f} default {default['ms']:.4f} best {best['ms']:.4f} "
               f"{best['cfg']} {best.get('layout', '')}{best.get('page', '')} ratio {stock / default['ms']:.2f} -> {stock / best['ms']:.2f} "
               f"{kv_bytes / best['ms'] / 1e6:.0f} GB/s kernels(us) {row.get('kernels_us', '-')} "

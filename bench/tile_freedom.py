@@ -60,6 +60,7 @@ def gemm_cases(backend, g):
 
 def attention_cases(backend, g):
     from hal.backends.cuda import attention
+    from hal.backends.cuda.common import next_power_of_2
 
     spec = backend.contract.attention
     results = []
@@ -80,14 +81,14 @@ def attention_cases(backend, g):
             q = random_tensor((sum(q_lens), hq, head_dim), dtype, g, device="cuda")
             meta = build_metadata(q_lens, seq_lens, page_lists, "cuda")
             args = (q, cache.k, cache.v, meta.query_start_loc, meta.seq_lens, meta.block_table, head_dim ** -0.5)
-            group_pad = 1 << (hq // hkv - 1).bit_length()
+            group_pad = next_power_of_2(hq // hkv)  # as paged_attention pads the GQA group
             launches = [dict(split_parallel=sp, block_q=bq, num_warps=w, num_stages=st, head_split=hs, heads_fastest=hf,
-                             splits_per_program=g)
-                        for sp, bq, w, st, hs, hf, g in [(False, 16, 4, 2, 1, False, 1), (True, 4, 4, 5, 1, False, 1),
-                                                         (False, 4, 8, 3, 1, True, 1), (True, 1, 8, 2, 1, False, 1),
-                                                         (True, 16, 4, 5, group_pad, True, 1),
-                                                         (False, 16, 4, 2, group_pad, True, 1),
-                                                         (True, 4, 4, 5, 1, True, 2), (True, 2, 8, 4, 1, False, 3)]]
+                             splits_per_program=spp)
+                        for sp, bq, w, st, hs, hf, spp in [(False, 16, 4, 2, 1, False, 1), (True, 4, 4, 5, 1, False, 1),
+                                                           (False, 4, 8, 3, 1, True, 1), (True, 1, 8, 2, 1, False, 1),
+                                                           (True, 16, 4, 5, group_pad, True, 1),
+                                                           (False, 16, 4, 2, group_pad, True, 1),
+                                                           (True, 4, 4, 5, 1, True, 2), (True, 2, 8, 4, 1, False, 3)]]
             outs = [attention.paged_attention(*args, spec.kv_chunk, spec.kv_split, **lc) for lc in launches]
             # The caches' memory order (hal.kvcache): the same keys stored head-major (HND).
             hnd = [cache_tensor(cache.num_pages, page, hkv, head_dim, dtype, "cuda", "HND").copy_(t)
