@@ -81,6 +81,9 @@ class Backend(abc.ABC):
     contracts: ClassVar[tuple[str, ...]] = ()
     #: activation dtypes it realises them for
     dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.bfloat16, torch.float32)
+    #: (op, dtype) combinations it declares missing, as data, e.g. (("attention", torch.float32),); the
+    #: conformance kit does not test them and reports them as unsupported instead of failing them
+    unsupported: ClassVar[tuple[tuple[str, torch.dtype], ...]] = ()
 
     def __init__(self, contract: Contract | None, device: torch.device | str | None = None):
         if contract is not None and contract.name not in self.contracts:
