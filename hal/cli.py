@@ -105,18 +105,45 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _conformance(args: argparse.Namespace) -> int:
+    if args.pytest_args[:1] == ["merge"]:
+        return _conformance_merge(args.pytest_args[1:], args.output)
+    if not args.backend:
+        raise HalError("hal conformance needs --backend NAME (see `hal doctor`), or `hal conformance merge "
+                       "A.json B.json ... -o FULL.json`")
+    from hal.api import create_backend
+    from hal.errors import BackendNotFoundError
+    from hal.registry import discover
+
+    # One clear line (not one pytest error per test) when the backend is not installed or cannot run here.
+    try:
+        create_backend(args.backend, args.contract)
+    except BackendNotFoundError:
+        raise HalError(f"backend {args.backend!r} is not installed; installed backends: "
+                       f"{', '.join(discover()) or 'none'} (see `hal doctor`)") from None
     import pytest
 
     depth = "full" if args.full else "tiny" if args.tiny else "quick"
     argv = ["--pyargs", "hal.conformance", "-p", "no:cacheprovider", "-q", "--hal-backend", args.backend,
             "--hal-depth", depth]
-    if args.contract:
-        argv += ["--hal-contract", args.contract]
-    if args.json:
-        argv += ["--hal-json", args.json]
-    if args.max_examples:
-        argv += ["--hal-max-examples", str(args.max_examples)]
+    for option, value in (("--hal-contract", args.contract), ("--hal-json", args.json),
+                          ("--hal-max-examples", args.max_examples), ("--hal-level", args.level),
+                          ("--hal-op", args.op), ("--hal-shard", args.shard), ("--hal-resume", args.resume)):
+        if value:
+            argv += [option, str(value)]
     return int(pytest.main(argv + list(args.pytest_args)))
+
+
+def _conformance_merge(paths: list[str], output: str | None) -> int:
+    from hal.conformance import report
+
+    if not paths or not output:
+        raise HalError("usage: hal conformance merge A.json B.json ... -o FULL.json (the shard reports to join, and "
+                       "where to write the merged report)")
+    data = report.merge([(path, report.load(path)) for path in paths])
+    report.write(data, output)
+    print(f"{output}: {report.verdict(data['summary'])} ({data['summary']['tests_run']} tests from {len(paths)} "
+          f"reports)")
+    return 0 if data["summary"]["ok"] else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -130,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the validated contract as JSON")
     p.set_defaults(func=_contract)
     p = sub.add_parser("conformance", help="run the conformance kit against a backend (a pytest plugin)")
-    p.add_argument("--backend", required=True, help="backend name (see `hal doctor`)")
+    p.add_argument("--backend", help="backend name (see `hal doctor`)")
     p.add_argument("--contract", help="contract name or .toml path (default: the backend's first)")
     p.add_argument("--json", help="write the JSON report here (and Markdown next to it)")
     depth = p.add_mutually_exclusive_group()
@@ -138,6 +165,12 @@ def build_parser() -> argparse.ArgumentParser:
     depth.add_argument("--full", action="store_true", help="many examples, larger shapes, shrinking")
     depth.add_argument("--tiny", action="store_true", help="small shapes, for kernels run by an interpreter (CI)")
     p.add_argument("--max-examples", type=int, help="hypothesis examples per test")
+    p.add_argument("--level", help="only these levels, comma-separated (e.g. 1,2)")
+    p.add_argument("--op", help="only these ops, comma-separated (e.g. linear,attention)")
+    p.add_argument("--shard", help="I/N: run the I-th of N deterministic slices of the selected tests (I = 1..N)")
+    p.add_argument("--resume", help="a report of an earlier run: skip the tests it records and append to it")
+    p.add_argument("-o", "--output", help="merge: where to write the merged report (`hal conformance merge A.json "
+                                          "B.json -o FULL.json`)")
     p.add_argument("pytest_args", nargs="*", help="extra pytest arguments after --, e.g. -- -k linear -x")
     p.set_defaults(func=_conformance)
     p = sub.add_parser("demo", help="show the train/rollout mismatch of stock kernels and its fix, on this machine")

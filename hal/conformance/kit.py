@@ -7,6 +7,9 @@ import pytest
 import torch
 from hypothesis import strategies as st
 
+# A skip reason that starts with DECLARED is a capability the backend declared missing (``Backend.unsupported``):
+# the report shows it as "unsupported", which does not break conformance. Any other skip does.
+from hal.conformance.report import DECLARED
 from hal.conformance.runner import CHECKS, OP_OF, ROW_OPS, repro_command
 from hal.errors import UnsupportedError
 
@@ -34,7 +37,7 @@ def row_op_cases(backend, depth: str, op: str) -> dict:
     variant, row width, output features (GEMM), dtype and seed."""
     variants = [v for v in ROW_OPS if OP_OF[v] == op]
     return dict(row_op=st.sampled_from(variants), width=widths(depth), out=out_features(depth),
-                dtype=st.sampled_from(dtypes_of(backend)), seed=st.integers(0, 2 ** 16))
+                dtype=st.sampled_from(dtypes_for(backend, op)), seed=st.integers(0, 2 ** 16))
 
 
 def fit_width(row_op: str, width: int) -> int:
@@ -42,18 +45,55 @@ def fit_width(row_op: str, width: int) -> int:
     return width + 1 if row_op in ("silu_mul", "rotary") and width % 2 else width
 
 
-def dtypes_of(backend) -> list[str]:
+
+# Examples the backend refused (UnsupportedError) in the running test; ``run_examples`` fails the test on them.
+_refused: list[str] = []
+
+
+def declared_unsupported(backend, op: str, dtype: str) -> bool:
+    return any(o == op and str(d).replace("torch.", "") == dtype for o, d in getattr(backend, "unsupported", ()))
+
+
+def dtypes_of(backend, op: str | None = None) -> list[str]:
+    """The dtypes the kit tests ``op`` with: realised by the backend, covered by its contract and not
+    declared unsupported for ``op``."""
     realised = {str(d).replace("torch.", "") for d in backend.dtypes}
     contract = set(backend.contract.header.activation_dtypes) if backend.contract else {"bfloat16", "float32"}
-    return sorted(realised & contract)
+    return sorted(d for d in realised & contract if op is None or not declared_unsupported(backend, op, d))
+
+
+def dtypes_for(backend, op: str) -> list[str]:
+    """``dtypes_of(backend, op)``; skip the test (as declared) when the backend declared every one missing."""
+    dtypes = dtypes_of(backend, op)
+    if not dtypes:
+        pytest.skip(f"{DECLARED}{op} for every dtype ({backend.name}.unsupported = {backend.unsupported!r})")
+    return dtypes
+
+
+def run_examples(backend, test) -> None:
+    """Run a hypothesis-decorated ``test``; then fail if the backend refused any example.
+
+    A refusal (UnsupportedError) is not a pass and must not skip the whole test: each refused example
+    is recorded and the run goes on, so the failure lists what was refused. A capability that is
+    really missing is declared in ``Backend.unsupported`` and then never drawn."""
+    _refused.clear()
+    test()
+    if _refused:
+        listed = "\n".join(f"  - {r}" for r in _refused[:5])
+        more = f"\n  ... and {len(_refused) - 5} more" if len(_refused) > 5 else ""
+        pytest.fail(f"backend {backend.name!r} refused {len(_refused)} example(s) with UnsupportedError without "
+                    f"declaring the capability missing:\n{listed}{more}\nA refusal is not conformance: realise "
+                    f"these cases, or declare a missing (op, dtype) in {type(backend).__name__}.unsupported.",
+                    pytrace=False)
 
 
 def run_check(check: str, backend, **params) -> None:
-    """Run one check; skip only on a declared UnsupportedError; fail with the problems and a repro."""
+    """Run one check; record an UnsupportedError as a refused example; fail with the problems and a repro."""
     try:
         problems = CHECKS[check](backend, **params)
     except UnsupportedError as exc:
-        pytest.skip(f"unsupported by {backend.name}: {exc}")
+        _refused.append(f"{check} {params}: {exc}")
+        return
     except torch.cuda.OutOfMemoryError as exc:  # never a skip
         pytest.fail(f"out of memory in {check} {params}: {exc}")
     if problems:

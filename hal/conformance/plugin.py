@@ -1,7 +1,13 @@
 """The conformance kit as a pytest plugin (registered through the ``pytest11`` entry point).
 
     pytest --pyargs hal.conformance --hal-backend NAME [--hal-contract NAME] [--hal-json FILE]
+           [--hal-level 1,2] [--hal-op linear,attention] [--hal-shard I/N] [--hal-resume FILE]
     hal conformance --backend NAME ...            (the same, through the CLI)
+
+Shards: the selected kit tests (by level and op) are sorted by node id and dealt round robin, so
+``--hal-shard I/N`` (I = 1..N) is the same slice in every process; each slice writes its own report
+and ``hal conformance merge`` joins them. ``--hal-resume FILE`` skips the tests FILE records and
+appends the new results to it.
 
 Options live under the "hal conformance" group of ``pytest --help``. The plugin is passive in any
 test session that does not collect the kit's tests.
@@ -28,6 +34,11 @@ def pytest_addoption(parser):
                     help="tiny: small shapes, for kernels run by an interpreter on the CPU; quick: a few examples "
                          "per test (CI); full: many examples and larger shapes")
     group.addoption("--hal-max-examples", type=int, default=None, help="hypothesis examples per test (overrides depth)")
+    group.addoption("--hal-level", default=None, help="only these levels, comma-separated (e.g. 1,2)")
+    group.addoption("--hal-op", default=None, help="only these ops (report rows), comma-separated (e.g. linear,attention)")
+    group.addoption("--hal-shard", default=None, help="I/N: run the I-th of N deterministic slices (I = 1..N)")
+    group.addoption("--hal-resume", default=None,
+                    help="a report of an earlier run: skip the tests it records and append to it")
 
 
 def pytest_configure(config):
@@ -50,8 +61,65 @@ def _kit_items(items):
     return [item for item in items if item.get_closest_marker("hal") is not None]
 
 
+def _item_op(item) -> str:
+    """The report row of a kit test: the marker's op, else its ``op`` parameter, else its name."""
+    params = getattr(item, "callspec", None)
+    return item.get_closest_marker("hal").kwargs.get("op") or (params.params.get("op") if params else None) \
+        or item.name
+
+
+def _csv(config, name: str) -> list[str] | None:
+    value = config.getoption(name)
+    return sorted({v.strip() for v in value.split(",") if v.strip()}) if value else None
+
+
+def _shard(config) -> tuple[int, int] | None:
+    value = config.getoption("hal_shard")
+    if not value:
+        return None
+    try:
+        index, count = (int(v) for v in value.split("/"))
+    except ValueError:
+        index = count = 0
+    if not 1 <= index <= count:
+        raise pytest.UsageError(f"--hal-shard {value!r}: expected I/N with 1 <= I <= N, e.g. 1/4")
+    return index, count
+
+
+def _selection(config, items) -> tuple[list, dict]:
+    """Filter the kit's tests by --hal-level / --hal-op; return them and the selection's description."""
+    levels, ops = _csv(config, "hal_level"), _csv(config, "hal_op")
+    if levels and not all(v.isdigit() and int(v) in LEVELS for v in levels):
+        raise pytest.UsageError(f"--hal-level {config.getoption('hal_level')!r}: expected levels among "
+                                f"{sorted(LEVELS)}, comma-separated")
+    chosen = [item for item in items
+              if (levels is None or str(item.get_closest_marker("hal").kwargs["level"]) in levels)
+              and (ops is None or _item_op(item) in ops)]
+    if ops:
+        known = {_item_op(item) for item in items}
+        unknown = sorted(set(ops) - known)
+        if unknown:
+            raise pytest.UsageError(f"--hal-op: no kit test for {', '.join(unknown)}; ops: {', '.join(sorted(known))}")
+    description = {"levels": levels, "ops": ops, "tests": len(chosen),
+                   "max_examples": config.getoption("hal_max_examples"), "shard": config.getoption("hal_shard")}
+    return chosen, description
+
+
+def _create_backend(config):
+    """The backend under test, created once; a backend that cannot be created stops the session with one line."""
+    from hal.api import create_backend
+    from hal.errors import HalError
+
+    name = config.getoption("hal_backend") or os.environ.get("HAL_BACKEND")
+    try:
+        return create_backend(name, config.getoption("hal_contract"))
+    except HalError as exc:
+        pytest.exit(f"hal conformance: cannot test backend {name!r}: {exc}", returncode=4)
+
+
 def pytest_collection_modifyitems(session, config, items):
-    if not _kit_items(items):
+    kit = _kit_items(items)
+    if not kit:
         return
     if not (config.getoption("hal_backend") or os.environ.get("HAL_BACKEND")):
         from hal.registry import describe_installed
@@ -59,6 +127,23 @@ def pytest_collection_modifyitems(session, config, items):
         pytest.exit("the HAL conformance kit needs a backend: pass --hal-backend NAME (or `hal conformance "
                     "--backend NAME`, or set HAL_BACKEND). Installed backends:\n" + describe_installed(),
                     returncode=4)
+    config._hal_backend = _create_backend(config)
+    chosen, config._hal_selection = _selection(config, kit)
+    chosen.sort(key=lambda item: item.nodeid)
+    shard = _shard(config)
+    if shard:
+        index, count = shard
+        chosen = chosen[index - 1::count]
+    resume = config.getoption("hal_resume")
+    if resume and os.path.exists(resume):
+        config._hal_previous = report_mod.load(resume)
+        done = set(config._hal_previous.get("tests", {}))
+        chosen = [item for item in chosen if item.nodeid not in done]
+    keep = set(id(item) for item in chosen)
+    deselected = [item for item in kit if id(item) not in keep]
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = [item for item in items if id(item) in keep or item.get_closest_marker("hal") is None]
     from hypothesis import settings
 
     settings.load_profile("hal-conformance")
@@ -66,12 +151,7 @@ def pytest_collection_modifyitems(session, config, items):
 
 @pytest.fixture(scope="session")
 def hal_backend(request):
-    from hal.api import create_backend
-
-    name = request.config.getoption("hal_backend") or os.environ.get("HAL_BACKEND")
-    backend = create_backend(name, request.config.getoption("hal_contract"))
-    request.config._hal_backend = backend
-    return backend
+    return request.config._hal_backend
 
 
 @pytest.fixture(scope="session")
@@ -87,20 +167,24 @@ def pytest_runtest_makereport(item, call):
         return
     rep = outcome.get_result()
     if rep.when == "call" or (rep.when == "setup" and rep.outcome != "passed"):
-        params = getattr(item, "callspec", None)
-        op = marker.kwargs.get("op") or (params.params.get("op") if params else None) or item.name
-        item.config._hal_results.add(op, marker.kwargs["level"], rep, item.nodeid)
+        item.config._hal_results.add(_item_op(item), marker.kwargs["level"], rep, item.nodeid)
 
 
 def pytest_sessionfinish(session, exitstatus):
     config = session.config
     results = getattr(config, "_hal_results", None)
     backend = getattr(config, "_hal_backend", None)
-    if results is None or not results.cells:
+    previous = getattr(config, "_hal_previous", None)
+    if results is None or backend is None or not (results.cells or previous):
         return
     header = report_mod.header(backend, config.getoption("hal_depth"))
+    header["selection"] = config._hal_selection
     data = results.to_json(header, LEVELS)
-    path = config.getoption("hal_json")
+    path = config.getoption("hal_json") or config.getoption("hal_resume")
+    if previous is not None:
+        resume = config.getoption("hal_resume")
+        data = report_mod.merge([(resume, previous), ("this run", data)])
+        data["header"]["selection"]["shard"] = config.getoption("hal_shard")
     if path:
         report_mod.write(data, path)
     config._hal_report = data

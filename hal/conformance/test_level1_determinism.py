@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hal.conformance.kit import dtypes_of, fit_width, row_op_cases, run_check
+from hal.conformance.kit import dtypes_for, fit_width, row_op_cases, run_check, run_examples
 from hal.conformance.runner import OP_OF
 
 
@@ -16,16 +16,16 @@ def test_row_op_determinism(hal_backend, hal_depth, op):
         run_check("determinism", hal_backend, row_op=row_op, width=fit_width(row_op, width), out_features=out,
                   dtype=dtype, seed=seed)
 
-    check()
+    run_examples(hal_backend, check)
 
 
 @pytest.mark.hal(level=1, op="attention")
 def test_attention_determinism(hal_backend, hal_depth):
     @given(seq_len=st.sampled_from([1, 17, 65] + ([] if hal_depth == "tiny" else [130])),
            heads=st.sampled_from([(4, 1), (4, 2), (8, 8)]), head_dim=st.sampled_from([64, 128]), page_size=st.sampled_from([16, 64]),
-           dtype=st.sampled_from(dtypes_of(hal_backend)), seed=st.integers(0, 2 ** 16))
+           dtype=st.sampled_from(dtypes_for(hal_backend, "attention")), seed=st.integers(0, 2 ** 16))
     def check(seq_len, heads, head_dim, page_size, dtype, seed):
         run_check("attention_determinism", hal_backend, seq_len=seq_len, q_heads=heads[0], kv_heads=heads[1],
                   head_dim=head_dim, dtype=dtype, page_size=page_size, seed=seed)
 
-    check()
+    run_examples(hal_backend, check)

@@ -4,10 +4,10 @@ token-by-token decode from a paged cache with scrambled pages of several sizes, 
 Context lengths are drawn around the contract's KV chunk and split sizes."""
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
-from hal.conformance.kit import dtypes_of, run_check
+from hal.conformance.kit import dtypes_for, run_check, run_examples
 
 
 def _lengths(backend, depth):
@@ -29,8 +29,10 @@ def _cuts(seq_len, chunk, split, extra):
 def test_phase_consistency(hal_backend, hal_depth, op):
     lengths, chunk, split = _lengths(hal_backend, hal_depth)
 
+    dtypes = dtypes_for(hal_backend, "attention")
+
     @given(seq_len=st.sampled_from(lengths), heads=st.sampled_from([(4, 1), (4, 2), (8, 8)]),
-           head_dim=st.sampled_from([64, 128]), dtype=st.sampled_from(dtypes_of(hal_backend)),
+           head_dim=st.sampled_from([64, 128]), dtype=st.sampled_from(dtypes),
            decode_tokens=st.integers(1, 6 if hal_depth == "tiny" else 24), cut=st.integers(1, 10 ** 6),
            seed=st.integers(0, 2 ** 16))
     def check(seq_len, heads, head_dim, dtype, decode_tokens, cut, seed):
@@ -41,4 +43,9 @@ def test_phase_consistency(hal_backend, hal_depth, op):
                   decode_from=max(1, seq_len - decode_tokens), mates=1 if tiny else 3,
                   block=int(op == "decoder block"), seed=seed)
 
-    check()
+    if hal_depth != "tiny":
+        # Every quick run reaches a second KV split (the split merge) at least once, with cuts and decode
+        # steps on both sides of the split boundary.
+        check = example(seq_len=split + chunk + 1, heads=(4, 2), head_dim=64, dtype=dtypes[0], decode_tokens=3,
+                        cut=split - 5, seed=1)(check)
+    run_examples(hal_backend, check)

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hal.conformance.kit import dtypes_of, run_check
+from hal.conformance.kit import dtypes_for, run_check, run_examples
 
 OPS = ["linear", "attention", "rms_norm", "silu_mul", "rotary", "token_logprobs"]
 
@@ -15,7 +15,7 @@ def test_train_equals_infer(hal_backend, hal_depth, op):
     widths = [64, 128] if op == "attention" else [1, 16, 17, 64, 129] + ([] if hal_depth == "tiny" else [1000])
 
     @given(size=st.sampled_from([1, 3, 17] + ([] if hal_depth == "tiny" else [70])), width=st.sampled_from(widths),
-           dtype=st.sampled_from(dtypes_of(hal_backend)), seed=st.integers(0, 2 ** 16))
+           dtype=st.sampled_from(dtypes_for(hal_backend, op)), seed=st.integers(0, 2 ** 16))
     def check(size, width, dtype, seed):
         if op == "rotary" and width == 1:
             width = 2
@@ -24,4 +24,4 @@ def test_train_equals_infer(hal_backend, hal_depth, op):
             width = 16
         run_check("train_equals_infer", hal_backend, op=op, size=size, width=width, dtype=dtype, seed=seed)
 
-    check()
+    run_examples(hal_backend, check)

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hal.conformance.kit import dtypes_of, run_check, widths
+from hal.conformance.kit import dtypes_for, run_check, run_examples, widths
 
 OPS = ["linear", "attention", "write_kv", "rms_norm", "silu_mul", "rotary", "log_softmax", "token_logprobs", "sum",
        "mean", "topk"]
@@ -16,8 +16,8 @@ def test_accuracy(hal_backend, hal_depth, op):
     width_strategy = st.sampled_from([64, 128]) if op in ("attention", "write_kv") else widths(hal_depth)
 
     @given(size=st.sampled_from([1, 3, 17] + ([] if hal_depth == "tiny" else [65])), width=width_strategy,
-           dtype=st.sampled_from(dtypes_of(hal_backend)), seed=st.integers(0, 2 ** 16))
+           dtype=st.sampled_from(dtypes_for(hal_backend, op)), seed=st.integers(0, 2 ** 16))
     def check(size, width, dtype, seed):
         run_check("accuracy", hal_backend, op=op, size=size, width=width, dtype=dtype, seed=seed)
 
-    check()
+    run_examples(hal_backend, check)
