@@ -9,12 +9,14 @@ everywhere; the stock ``torch`` backend (negative control) must show mismatches.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 import torch
 
 from hal.backends.reference import ReferenceBackend
+from hal.backends.reference.attention import paged_attention
 from hal.backends.stock import TorchBackend
 from hal.contract import load_contract
 from hal.errors import HalError
@@ -143,3 +145,73 @@ def test_harness_rejects_impossible_requests():
         RolloutHarness(model).generate([Request((1, 500), 2)])
     with pytest.raises(HalError, match="raise num_pages"):
         RolloutHarness(model, HarnessConfig(page_size=2, num_pages=3)).generate([Request((1, 2, 3, 4), 4)])
+
+
+# -- long context: every chunking of the contract split at least once -------------------------------
+
+class DecodeSplitBackend(ReferenceBackend):
+    """Planted non-conformance: a single-query sequence (decode) runs attention with kv_split 1024
+    instead of the contract's 512, every other query as the contract says. Below 513 keys both have
+    one split and give the same bits, so only a sequence decoded past kv_split can show it."""
+
+    name = "decode-split"
+
+    def attention(self, q, k_cache, v_cache, meta, *, scale):
+        out = super().attention(q, k_cache, v_cache, meta, scale=scale)
+        wider = dataclasses.replace(self.contract.attention, kv_split=2 * self.contract.attention.kv_split)
+        other = paged_attention(q, k_cache, v_cache, meta, scale, wider)
+        starts, _, _ = meta.host_lists()
+        for b in range(len(starts) - 1):
+            if starts[b + 1] - starts[b] == 1:
+                out[starts[b]] = other[starts[b]]
+        return out
+
+
+LONG_PROMPT, LONG_NEW = 500, 30
+
+
+def long_context_rollout_and_train(backend):
+    """Hidden 576 and intermediate 640 (> k_chunk 512: two K chunks in every GEMM but o_proj),
+    vocab 4224 (> vocab_chunk 4096: two chunks in the logprob sum), one request of 500 + 30 tokens
+    (its decode crosses kv_split 512) and two shorter batch-mates, prefill cut into chunks."""
+    c = backend.contract
+    config = tiny_config("qwen3", "bfloat16", vocab_size=4224, hidden_size=576, intermediate_size=640,
+                         num_layers=1, num_heads=4, num_kv_heads=2, head_dim=32, max_position=1024)
+    # the shapes really reach a second chunk of every reduction the contract chunks
+    assert min(config.hidden_size, config.intermediate_size) > c.gemm.k_chunk
+    assert config.vocab_size > c.logprobs.vocab_chunk
+    assert LONG_PROMPT < c.attention.kv_split < LONG_PROMPT + LONG_NEW - 1
+    model = DecoderLM.random(config, seed=3, backend=backend)
+    rng = random.Random(5)
+    requests = [Request(tuple(rng.randrange(config.vocab_size) for _ in range(n)), new, seed=i, temperature=t)
+                for i, (n, new, t) in enumerate([(LONG_PROMPT, LONG_NEW, 1.0), (37, 25, 0.7), (90, 12, 1.0)])]
+    harness = RolloutHarness(model, HarnessConfig(page_size=16, max_num_seqs=3, max_batch_tokens=128,
+                                                  max_chunk=100, seed=1))
+    completions = harness.generate(requests)
+    assert harness.stats.cut_prefills > 0 and harness.stats.mixed_steps > 0
+    with torch.no_grad():
+        trains = [recompute_logprobs(model, completions, seed=s, max_batch_sequences=m) for s, m in ((0, None), (1, 1))]
+    return completions, trains
+
+
+def test_long_context_training_logprobs_equal_rollout_bitwise():
+    completions, trains = long_context_rollout_and_train(REF)
+    assert len(completions[0].tokens) == LONG_NEW
+    for train in trains:
+        for c, lp in zip(completions, train):
+            assert torch.equal(lp, c.logprobs), f"request {completions.index(c)}: train {lp} vs rollout {c.logprobs}"
+
+
+def test_long_context_negative_control_decode_with_another_kv_split():
+    planted = DecodeSplitBackend(load_contract())
+    # the short-context cases above cannot see it: no sequence there reaches kv_split keys
+    _, runs, _, short_trains = rollout_and_train(planted, "llama", "float32", SCHEDULES[:1], PACKINGS[:1])
+    assert all(torch.equal(lp, c.logprobs) for c, lp in zip(runs[0], short_trains[0]))
+    completions, trains = long_context_rollout_and_train(planted)
+    kv_split = REF.contract.attention.kv_split
+    for train in trains:
+        differ = (train[0] != completions[0].logprobs).nonzero().flatten().tolist()
+        # response token j is sampled by the decode of position LONG_PROMPT + j - 1 over LONG_PROMPT + j keys:
+        # only those with more than kv_split keys can differ, and they do
+        assert differ and min(differ) >= kv_split + 1 - LONG_PROMPT
+        assert all(torch.equal(lp, c.logprobs) for c, lp in zip(completions[1:], train[1:]))
