@@ -280,3 +280,57 @@ def op_row_functions(backend: Backend, width: int, out_features: int, dtype: tor
             return torch.cat([q, k], -1).squeeze(1)
         fns["rotary"] = rotary
     return fns
+
+
+# ---------------------------------------------------------------------------------------------
+# Masked keys: a key a query may not see contributes exactly nothing, whatever its K/V hold.
+# ---------------------------------------------------------------------------------------------
+
+def _poison_like(t: torch.Tensor) -> torch.Tensor:
+    """NaN, +Inf and -Inf in turn: what stale or uninitialised cache memory may hold."""
+    values = torch.tensor([math.nan, math.inf, -math.inf], dtype=t.dtype, device=t.device)
+    return values[torch.arange(t.numel(), device=t.device) % 3].reshape(t.shape)
+
+
+def masked_keys(backend: Backend, case: AttentionCase, page_size: int, hidden: int) -> list[Mismatch]:
+    """Attention with NaN/Inf in the K and V of every key a query may not see (the last ``hidden``
+    keys of the sequence: causally later positions; and every unused slot of every page) must give
+    the bits of the same call on a zero-filled cache. Two calls: a full prefill of the sequence (its
+    first ``seq_len - hidden`` queries are compared) and a decode step of the query just before the
+    poisoned keys, whose pages still hold them beyond its context (unused page slots)."""
+    device = backend.device
+    q, k, v = case.tensors(device)
+    n, seen = case.seq_len, case.seq_len - hidden
+    gen = torch.Generator().manual_seed(case.seed)
+    num_pages = pages_needed(n, page_size) + 2
+    pages = PageAllocator(num_pages, gen).take(pages_needed(n, page_size))
+    slots = slot_mapping(pages, range(n), page_size, device)
+    scale = case.head_dim ** -0.5
+    params = dict(seq_len=n, hidden=hidden, page_size=page_size, q_heads=case.q_heads, kv_heads=case.kv_heads,
+                  head_dim=case.head_dim, dtype=str(case.dtype).replace("torch.", ""), seed=case.seed)
+
+    def caches(poisoned: bool):
+        cache = PagedKVCache.allocate(num_pages, page_size, case.kv_heads, case.head_dim, case.dtype, device)
+        if poisoned:
+            cache.k.copy_(_poison_like(cache.k))
+            cache.v.copy_(_poison_like(cache.v).flip(0))
+        k_in, v_in = k.clone(), v.clone()
+        if poisoned:
+            k_in[seen:] = _poison_like(k_in[seen:])
+            v_in[seen:] = _poison_like(v_in[seen:]).flip(-1)
+        backend.write_kv(k_in, v_in, cache.k, cache.v, slots)
+        return cache
+
+    def calls(cache):
+        prefill = backend.attention(q, cache.k, cache.v, build_metadata([n], [n], [pages], device), scale=scale)
+        decode = backend.attention(q[seen - 1:seen], cache.k, cache.v,
+                                   build_metadata([1], [seen], [pages], device), scale=scale)
+        return prefill[:seen], decode
+
+    clean, dirty = calls(caches(False)), calls(caches(True))
+    failures = []
+    for label, a, b in (("prefill, keys after each query hold NaN/Inf", clean[0], dirty[0]),
+                        ("decode, page slots beyond the context hold NaN/Inf", clean[1], dirty[1])):
+        if (m := compare(f"attention: {label} vs a zero-filled cache", a, b, **params)):
+            failures.append(m)
+    return failures

@@ -16,8 +16,8 @@ import torch
 
 from hal.backend import Backend
 from hal.conformance import bounds
-from hal.conformance.checks import (AttentionCase, attention_phases, compare, op_row_functions, random_tensor,
-                                    row_invariance, run_schedule)
+from hal.conformance.checks import (AttentionCase, attention_phases, compare, masked_keys, op_row_functions,
+                                    random_tensor, row_invariance, run_schedule)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -88,6 +88,11 @@ def phase_consistency(backend: Backend, seq_len: int, q_heads: int, kv_heads: in
                             [int(p) for p in page_sizes.split(",")], decode_from, mates=mates, block=bool(block))
 
 
+def masked_keys_contribute_nothing(backend: Backend, seq_len: int, q_heads: int, kv_heads: int, head_dim: int,
+                                   dtype: str, page_size: int, hidden: int, seed: int) -> list:
+    return masked_keys(backend, _case(seq_len, q_heads, kv_heads, head_dim, dtype, seed), page_size, hidden)
+
+
 def accuracy(backend: Backend, op: str, size: int, width: int, dtype: str, seed: int) -> list:
     return bounds.accuracy_problems(backend, op, size, width, DTYPES[dtype], seed)
 
@@ -104,6 +109,7 @@ CHECKS: dict[str, Callable[..., list]] = {
     "attention_determinism": attention_determinism,
     "attention_batch_invariance": attention_batch_invariance,
     "phase_consistency": phase_consistency,
+    "masked_keys_contribute_nothing": masked_keys_contribute_nothing,
     "accuracy": accuracy,
     "train_equals_infer": train_equals_infer,
 }

@@ -49,3 +49,20 @@ def test_phase_consistency(hal_backend, hal_depth, op):
         check = example(seq_len=split + chunk + 1, heads=(4, 2), head_dim=64, dtype=dtypes[0], decode_tokens=3,
                         cut=split - 5, seed=1)(check)
     run_examples(hal_backend, check)
+
+
+@pytest.mark.hal(level=3, op="attention")
+def test_masked_keys_contribute_nothing(hal_backend, hal_depth):
+    """NaN/Inf in the K and V of keys a query may not see (later positions, unused page slots) change no bit."""
+    dtypes = dtypes_for(hal_backend, "attention")
+
+    @given(seq_len=st.sampled_from([2, 17, 66] + ([] if hal_depth == "tiny" else [130])),
+           heads=st.sampled_from([(4, 1), (4, 2)]), head_dim=st.sampled_from([64, 128]),
+           page_size=st.sampled_from([5, 16]), hidden=st.integers(1, 40), dtype=st.sampled_from(dtypes),
+           seed=st.integers(0, 2 ** 16))
+    def check(seq_len, heads, head_dim, page_size, hidden, dtype, seed):
+        run_check("masked_keys_contribute_nothing", hal_backend, seq_len=seq_len, q_heads=heads[0],
+                  kv_heads=heads[1], head_dim=head_dim, dtype=dtype, page_size=page_size,
+                  hidden=min(hidden, seq_len - 1), seed=seed)
+
+    run_examples(hal_backend, check)
