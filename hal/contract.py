@@ -276,6 +276,10 @@ def parse_contract(text: str, source: str = "<string>") -> Contract:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ContractError(source, "<file>", "invalid TOML", f"valid TOML ({exc})") from exc
+    if not raw:   # an empty (or comments-only) file: say so, not just that [contract] is missing
+        raise ContractError(source, "<file>", "an empty file (no sections)",
+                            f"the sections {', '.join(f'[{s}]' for s in SECTIONS)}; see `hal contract show "
+                            f"{DEFAULT_CONTRACT}`")
     for section in raw:
         if section not in SECTIONS:
             raise ContractError(source, f"[{section}]", "<table>",
@@ -296,6 +300,11 @@ def load_contract_file(path: str | Path) -> Contract:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise UnknownContractError(f"cannot read contract file {path}: {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:
+        raise ContractError(str(path), "<file>", f"bytes that are not UTF-8 (byte 0x{exc.object[exc.start]:02x} "
+                                                 f"at offset {exc.start})",
+                            "a UTF-8 TOML contract file (is this a contract? see `hal contract show "
+                            f"{DEFAULT_CONTRACT}`)") from exc
     return parse_contract(text, source=str(path))
 
 

@@ -84,3 +84,25 @@ def test_unknown_contract_lists_the_shipped_ones():
         load_contract("fp8-everything")
     with pytest.raises(UnknownContractError, match="cannot read contract file"):
         load_contract("/nonexistent/contract.toml")
+
+
+@pytest.mark.parametrize("content, found", [
+    (b"\xff\xfe[contract]\n", "not UTF-8"),
+    (b"", "an empty file"),
+    (b"  \n# only a comment\n", "an empty file"),
+])
+def test_unreadable_or_empty_contract_file_is_a_contract_error(tmp_path, content, found):
+    path = tmp_path / "c.toml"
+    path.write_bytes(content)
+    with pytest.raises(ContractError, match=found) as info:
+        load_contract(path)
+    assert str(path) in str(info.value) and "expected" in str(info.value)
+
+
+def test_cli_reports_a_bad_contract_file_in_one_line(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_bytes(b"\x80\x81 binary")
+    run = subprocess.run([sys.executable, "-m", "hal.cli", "contract", "show", str(path)],
+                         capture_output=True, text=True)
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert run.stderr.startswith("hal: error:") and len(run.stderr.strip().splitlines()) == 1
