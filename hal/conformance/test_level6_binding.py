@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from hal.api import require_fingerprint
-from hal.conformance.checks import random_tensor
+from hal.conformance.checks import AttentionCase, random_tensor
 from hal.contract import load_contract
 from hal.errors import ContractMismatchError, UnsupportedError
+from hal.kvcache import PagedKVCache, build_metadata, pages_needed, slot_mapping
 
 
 @pytest.mark.hal(level=6, op="contract")
@@ -24,12 +25,70 @@ def test_backend_reports_the_contract_fingerprint(hal_backend):
     require_fingerprint(hal_backend, loaded.fingerprint)
 
 
+# Every integer of the contract that decides bits, and how to run its op on an input that crosses both
+# the contract's boundary and the variant's: (section, field) -> function(backend, value) -> output.
+def _gemm(backend, k_chunk):
+    g = torch.Generator().manual_seed(0)
+    k = 2 * k_chunk + 7
+    x = random_tensor((8, k), _dtype(backend), g, spread=8, device=backend.device)
+    w = random_tensor((16, k), _dtype(backend), g, spread=8, device=backend.device)
+    return backend.linear(x, w, out_dtype=torch.float32)
+
+
+def _attention(backend, keys):
+    """Decode of the last token of a ``keys``-long context (the context crosses chunks and splits)."""
+    case = AttentionCase(keys, 2, 1, 64, _dtype(backend), 0)
+    q, k, v = case.tensors(backend.device)
+    page = 16
+    cache = PagedKVCache.allocate(pages_needed(keys, page), page, 1, 64, case.dtype, backend.device)
+    pages = list(range(pages_needed(keys, page)))
+    backend.write_kv(k, v, cache.k, cache.v, slot_mapping(pages, range(keys), page, backend.device))
+    return backend.attention(q[-1:], cache.k, cache.v, build_metadata([1], [keys], [pages], backend.device),
+                             scale=0.125)
+
+
+def _rms_norm(backend, block):
+    g = torch.Generator().manual_seed(0)
+    x = random_tensor((8, 2 * block + 5), _dtype(backend), g, spread=8, device=backend.device)
+    return backend.rms_norm(x, torch.ones(x.shape[-1], dtype=x.dtype, device=x.device), 1e-6)
+
+
+def _logprobs(backend, chunk):
+    # One logit at 0 and the rest near -12: the total of exp is 1 + a few percent, so a change of the
+    # chunked sum by one ulp moves log(total), which is the log-probability of the largest logit.
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(8, 2 * chunk + 5, generator=g) - 12.0
+    logits[:, 3] = 0.0
+    return backend.log_softmax(logits.to(backend.device))
+
+
+def _sum(backend, block):
+    g = torch.Generator().manual_seed(0)
+    return backend.sum(random_tensor((8, 2 * block + 5), _dtype(backend), g, spread=8, device=backend.device))
+
+
+def _dtype(backend):
+    return torch.float32 if torch.float32 in backend.dtypes else backend.dtypes[0]
+
+
+BIT_DECIDING = {("gemm", "k_chunk"): _gemm, ("attention", "kv_chunk"): lambda b, c: _attention(b, 2 * c + 7),
+                ("attention", "kv_split"): lambda b, s: _attention(b, 2 * s + 7), ("rms_norm", "row_block"): _rms_norm,
+                ("logprobs", "vocab_chunk"): _logprobs, ("reduce", "row_block"): _sum}
+
+
 @pytest.mark.hal(level=6, op="contract")
-def test_a_variant_contract_is_refused_or_followed(hal_backend):
+@pytest.mark.parametrize("number", [f"{s}.{f}" for s, f in BIT_DECIDING])
+def test_a_variant_contract_is_refused_or_followed(hal_backend, number):
+    """Halve one bit-deciding integer: the backend bound to the variant refuses it, or gives other bits on an
+    input that crosses the boundary (it reads the number from its contract instead of hard-coding it)."""
     if hal_backend.contract is None:
         pytest.fail(f"backend {hal_backend.name!r} realises no contract")
     base = hal_backend.contract
-    variant = dataclasses.replace(base, gemm=dataclasses.replace(base.gemm, k_chunk=base.gemm.k_chunk * 2))
+    section, name = number.split(".")
+    value = getattr(getattr(base, section), name)
+    if value == 0:
+        pytest.fail(f"{number} is 0 in {base.name}: nothing to vary (the kit has no check for this contract)")
+    variant = dataclasses.replace(base, **{section: dataclasses.replace(getattr(base, section), **{name: value // 2})})
     assert variant.fingerprint != base.fingerprint
     with pytest.raises(ContractMismatchError):
         require_fingerprint(hal_backend, variant.fingerprint)
@@ -38,14 +97,12 @@ def test_a_variant_contract_is_refused_or_followed(hal_backend):
     except (ContractMismatchError, UnsupportedError):
         return  # refused: fine
     assert other.fingerprint == variant.fingerprint
-    g = torch.Generator().manual_seed(0)
-    k = 4 * base.gemm.k_chunk
-    dtype = torch.float32 if torch.float32 in hal_backend.dtypes else hal_backend.dtypes[0]
-    x = random_tensor((8, k), dtype, g, spread=8, device=hal_backend.device)
-    w = random_tensor((64, k), dtype, g, spread=8, device=hal_backend.device)
+    run = BIT_DECIDING[(section, name)]
+    size = getattr(getattr(base, section), name)
     try:
-        same = torch.equal(hal_backend.linear(x, w, out_dtype=torch.float32),
-                           other.linear(x, w, out_dtype=torch.float32))
+        same = torch.equal(run(hal_backend, size), run(other, size))
     except UnsupportedError:
         return  # the variant is accepted at construction but refused per call: fine
-    assert not same, "k_chunk changed but the GEMM bits did not: the backend ignores its contract"
+    if same:
+        pytest.fail(f"{number} halved ({value} -> {value // 2}) but the bits did not change on an input crossing "
+                    f"both boundaries: backend {hal_backend.name!r} ignores its contract's {number}", pytrace=False)

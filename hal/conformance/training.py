@@ -1,7 +1,8 @@
 """Level 4: train equals infer.
 
 The autograd-wrapped ops that training uses (``hal.model.autograd``) must return exactly the bits
-of the backend's inference kernels, and their gradients must be correct: within a stated bound of
+of the backend's inference kernels, computed through a separate path as a rollout engine would (row by
+row, or prefill then token-by-token decode from its own paged cache, on copies of the inputs), and their gradients must be correct: within a stated bound of
 fp64 autograd of the same function (norm-wise relative error <= 1e-2 for bf16, where every
 gradient is rounded to bf16; <= 1e-5 for fp32).
 """
@@ -40,6 +41,43 @@ def _grad_problems(what, leaves, leaves64, dtype) -> list[str]:
     return problems
 
 
+def fresh(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A detached copy in its own memory: the inference side shares no tensor with the training side."""
+    return None if t is None else t.detach().clone()
+
+
+def rows_alone(fn, *tensors: torch.Tensor):
+    """The inference path of the rollout engine's decode: ``fn`` on one row (token) at a time of fresh
+    copies of ``tensors``, outputs concatenated. Batch invariance makes this the bits of the whole batch."""
+    outs = [fn(*(fresh(t[i:i + 1]) for t in tensors)) for i in range(tensors[0].shape[0])]
+    if isinstance(outs[0], tuple):
+        return tuple(torch.cat(parts) for parts in zip(*outs))
+    return torch.cat(outs)
+
+
+def decode_path(backend: Backend, q, k, v, seq_lens: list[int], scale: float, g: torch.Generator) -> torch.Tensor:
+    """Attention as a rollout engine runs it: per sequence, a prefill of its first half, then token by token
+    decode, from a paged cache (page size 5, scrambled pages) that this function writes itself."""
+    from hal.kvcache import PageAllocator, PagedKVCache, build_metadata, pages_needed, slot_mapping
+
+    page = 5
+    outs, start = [], 0
+    for n in seq_lens:
+        count = pages_needed(n, page)
+        cache = PagedKVCache.allocate(count + 3, page, k.shape[1], k.shape[2], k.dtype, k.device)
+        pages = PageAllocator(count + 3, g).take(count)
+        done = 0
+        for step in [max(1, n // 2)] + [1] * (n - max(1, n // 2)):
+            lo, hi = start + done, start + done + step
+            backend.write_kv(k[lo:hi], v[lo:hi], cache.k, cache.v,
+                             slot_mapping(pages, range(done, done + step), page, k.device))
+            outs.append(backend.attention(q[lo:hi], cache.k, cache.v,
+                                          build_metadata([step], [done + step], [pages], k.device), scale=scale))
+            done += step
+        start += n
+    return torch.cat(outs)
+
+
 def train_equals_infer(backend: Backend, op: str, size: int, width: int, dtype: torch.dtype, seed: int) -> list[str]:
     from hal.model import autograd as ag
 
@@ -63,14 +101,14 @@ def train_equals_infer(backend: Backend, op: str, size: int, width: int, dtype: 
         x, w, b = _leaf((size, width), dtype, g, dev), _leaf((33, width), dtype, g, dev, width ** -0.5), \
             _leaf((33,), dtype, g, dev)
         out = ag.linear(backend, x, w, b)
-        same_bits(op, out, backend.linear(x.detach(), w.detach(), b.detach()))
+        same_bits(op, out, rows_alone(lambda r: backend.linear(r, fresh(w), fresh(b)), x))
         x64, w64, b64 = _fp64(x, w, b)
         backprop(out, oracle.linear(x64, w64, b64))
         problems += _grad_problems(op, (x, w, b), (x64, w64, b64), dtype)
     elif op == "rms_norm":
         x, w, r = _leaf((size, width), dtype, g, dev), _leaf((width,), dtype, g, dev), _leaf((size, width), dtype, g, dev)
         out, res_out = ag.rms_norm(backend, x, w, 1e-6, r)
-        same_bits(op, (out, res_out), backend.rms_norm(x.detach(), w.detach(), 1e-6, r.detach()))
+        same_bits(op, (out, res_out), rows_alone(lambda xi, ri: backend.rms_norm(xi, fresh(w), 1e-6, ri), x, r))
         x64, w64, r64 = _fp64(x, w, r)
         s64 = x64 + r64
         backprop(out, s64 * torch.rsqrt(s64.square().mean(-1, keepdim=True) + 1e-6) * w64)
@@ -78,7 +116,7 @@ def train_equals_infer(backend: Backend, op: str, size: int, width: int, dtype: 
     elif op == "silu_mul":
         x = _leaf((size, 2 * width), dtype, g, dev)
         out = ag.silu_mul(backend, x)
-        same_bits(op, out, backend.silu_mul(x.detach()))
+        same_bits(op, out, rows_alone(backend.silu_mul, x))
         (x64,) = _fp64(x)
         backprop(out, oracle.silu_mul(x64))
         problems += _grad_problems(op, (x,), (x64,), dtype)
@@ -88,7 +126,7 @@ def train_equals_infer(backend: Backend, op: str, size: int, width: int, dtype: 
         pos = torch.randint(0, 97, (size,), generator=g).to(dev)
         q, k = _leaf((size, 4, head_dim), dtype, g, dev), _leaf((size, 2, head_dim), dtype, g, dev)
         out_q, out_k = ag.rotary(backend, pos, q, k, table)
-        same_bits(op, (out_q, out_k), backend.rotary(pos, q.detach(), k.detach(), table))
+        same_bits(op, (out_q, out_k), rows_alone(lambda p, qi, ki: backend.rotary(p, qi, ki, table.clone()), pos, q, k))
         q64, k64 = _fp64(q, k)
         weights_q = random_tensor(tuple(out_q.shape), torch.float32, g, device=dev)
         weights_k = random_tensor(tuple(out_k.shape), torch.float32, g, device=dev)
@@ -100,7 +138,7 @@ def train_equals_infer(backend: Backend, op: str, size: int, width: int, dtype: 
         logits = _leaf((size, width), torch.float32, g, dev, scale=4.0)
         ids = torch.randint(0, width, (size,), generator=g).to(dev)
         out = ag.token_logprobs(backend, logits, ids, 0.7)
-        same_bits(op, out, backend.token_logprobs(logits.detach(), ids, 0.7))
+        same_bits(op, out, rows_alone(lambda li, ii: backend.token_logprobs(li, ii, 0.7), logits, ids))
         (l64,) = _fp64(logits)
         backprop(out, oracle.log_softmax(l64, 0.7).gather(-1, ids.cpu().view(-1, 1)).squeeze(-1))
         problems += _grad_problems(op, (logits,), (l64,), torch.float32)
@@ -110,9 +148,7 @@ def train_equals_infer(backend: Backend, op: str, size: int, width: int, dtype: 
         q, k, v = (_leaf((tokens, h, width), dtype, g, dev) for h in (4, 2, 2))
         layout = ag.PackedLayout.build(seq_lens, 16, dev)
         out = ag.train_attention(backend, q, k, v, layout, width ** -0.5)
-        cache = ag.PagedKVCache.allocate(layout.num_pages, 16, 2, width, dtype, dev)
-        same_bits(op, out, ag.write_and_attend(backend, q.detach(), k.detach(), v.detach(), cache,
-                                               layout.slot_mapping, layout.meta, width ** -0.5))
+        same_bits(op, out, decode_path(backend, fresh(q), fresh(k), fresh(v), seq_lens, width ** -0.5, g))
         q64, k64, v64 = _fp64(q, k, v)
         start, outs = 0, []
         for n in seq_lens:
