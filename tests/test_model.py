@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import json
 import math
+import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -249,3 +252,76 @@ def test_hf_config_refuses_what_the_model_cannot_honour():
             ModelConfig.from_hf(bad)
     with pytest.raises(UnsupportedError, match="multiple"):
         tiny_config("llama", num_kv_heads=3)
+
+
+# -- unreadable checkpoints: one CheckpointError naming the file, never a raw library exception -----
+
+@pytest.fixture
+def saved_checkpoint(tmp_path):
+    pytest.importorskip("safetensors", reason="safetensors is not installed")
+    from hal.model import save_pretrained
+
+    return save_pretrained(DecoderLM.random(tiny_config("llama"), seed=0, backend=REF), tmp_path / "ckpt")
+
+
+@pytest.mark.parametrize("damage, match", [
+    (lambda data: data[: len(data) // 2], "not a complete safetensors file"),
+    (lambda data: data[:8], "not a complete safetensors file"),
+    (lambda data: b"", "an empty file"),
+    (lambda data: bytes(random.Random(0).randrange(256) for _ in range(4000)), "not a complete safetensors file"),
+])
+def test_damaged_safetensors_file_is_a_checkpoint_error(saved_checkpoint, damage, match):
+    from hal.model import CheckpointError, load_pretrained
+
+    file = saved_checkpoint / "model.safetensors"
+    file.write_bytes(damage(file.read_bytes()))
+    with pytest.raises(CheckpointError, match=match) as info:
+        load_pretrained(saved_checkpoint, backend=REF)
+    assert "model.safetensors" in str(info.value) and "expected a safetensors file" in str(info.value)
+
+
+def _without(hf: dict, key: str) -> dict:
+    return {k: v for k, v in hf.items() if k != key}
+
+
+HF = tiny_config("llama").to_hf()
+
+
+@pytest.mark.parametrize("text, match", [
+    (b"", "an empty file"),
+    (b"{\"vocab_size\": 128,", "invalid JSON"),
+    (b"\xff\xfe{}", "not UTF-8"),
+    (b"[1, 2]", "a JSON list; expected a JSON object"),
+    (json.dumps(_without(HF, "hidden_size")).encode(), "'hidden_size' is missing; expected an integer"),
+    (json.dumps(dict(HF, hidden_size="64")).encode(), 'hidden_size = "64": expected an integer'),
+    (json.dumps(dict(HF, num_hidden_layers=2.5)).encode(), "num_hidden_layers = 2.5: expected an integer"),
+    (json.dumps(dict(HF, vocab_size=True)).encode(), "vocab_size = true: expected an integer"),
+    (json.dumps(dict(HF, tie_word_embeddings="no")).encode(), 'tie_word_embeddings = "no": expected true or false'),
+    (json.dumps(dict(HF, rms_norm_eps="1e-6")).encode(), "rms_norm_eps = \"1e-6\": expected a number"),
+    (json.dumps(dict(HF, rope_scaling=[1])).encode(), r"rope_scaling = \[1\]: expected an object"),
+])
+def test_invalid_config_json_is_a_checkpoint_error(saved_checkpoint, text, match):
+    from hal.model import CheckpointError, load_pretrained
+
+    (saved_checkpoint / "config.json").write_bytes(text)
+    with pytest.raises(CheckpointError, match=match) as info:
+        load_pretrained(saved_checkpoint, backend=REF)
+    assert "config.json" in str(info.value)
+
+
+def test_unsupported_architecture_in_config_json_is_named(saved_checkpoint):
+    from hal.model import load_pretrained
+
+    hf = dict(HF, model_type="gpt2", architectures=["GPT2LMHeadModel"])
+    (saved_checkpoint / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(UnsupportedError, match="'gpt2'.*not one of llama, qwen2, qwen3"):
+        load_pretrained(saved_checkpoint, backend=REF)
+
+
+def test_cli_reports_a_damaged_checkpoint_in_one_line(saved_checkpoint):
+    (saved_checkpoint / "model.safetensors").write_bytes(b"\x00" * 5)
+    run = subprocess.run([sys.executable, "-m", "hal.cli", "diff", "--backend", "reference", "--model",
+                          str(saved_checkpoint)], capture_output=True, text=True)
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert run.stderr.startswith("hal: error:") and len(run.stderr.strip().splitlines()) == 1
+    assert "model.safetensors" in run.stderr

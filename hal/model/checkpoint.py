@@ -15,15 +15,12 @@ from pathlib import Path
 import torch
 
 from hal.backend import Backend
-from hal.errors import HalError
-from hal.model.config import ModelConfig
+from hal.model.config import CheckpointError, ModelConfig, read_hf_config
 from hal.model.model import DecoderLM
 
 log = logging.getLogger(__name__)
 
-
-class CheckpointError(HalError):
-    """A checkpoint directory is missing files or tensors, or holds tensors of the wrong shape."""
+__all__ = ["CheckpointError", "hf_slices", "load_pretrained", "save_pretrained"]
 
 
 def _safetensors():
@@ -71,13 +68,46 @@ def hf_slices(model: DecoderLM) -> dict[str, tuple[torch.Tensor, slice]]:
 def _weight_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.exists():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+            raise CheckpointError(f"{index}: cannot read its weight_map ({type(exc).__name__}: {exc}); expected "
+                                  f'JSON {{"weight_map": {{tensor name: file name}}}}') from exc
+        if not all(isinstance(n, str) for n in names):
+            raise CheckpointError(f"{index}: weight_map values must be file names")
+        missing = [n for n in names if not (path / n).is_file()]
+        if missing:
+            raise CheckpointError(f"{index} names {missing[:4]}, which are not in {path}")
         return [path / n for n in names]
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{path}: no *.safetensors files (only safetensors checkpoints are read; "
                               f"convert a .bin checkpoint with transformers' save_pretrained(safe_serialization=True))")
     return files
+
+
+def _unreadable(file: Path, exc: Exception) -> CheckpointError:
+    size = file.stat().st_size if file.exists() else 0
+    found = "an empty file" if size == 0 else f"{size} bytes that are not a complete safetensors file ({exc})"
+    return CheckpointError(f"{file}: {found}; expected a safetensors file (truncated download or copy? "
+                           f"fetch or save it again)")
+
+
+def _open_safetensors(safetensors, file: Path):
+    # safetensors raises its own SafetensorError (not an OSError) for a bad header, and OSError for I/O
+    try:
+        return safetensors.safe_open(str(file), framework="pt")
+    except (safetensors.SafetensorError, OSError) as exc:
+        raise _unreadable(file, exc) from exc
+
+
+def _read_tensor(f, file: Path, name: str) -> torch.Tensor:
+    try:
+        return f.get_tensor(name)
+    except Exception as exc:   # the header was fine but the data is not (the file changed while read)
+        raise CheckpointError(f"{file}: tensor {name} cannot be read ({type(exc).__name__}: {exc}); "
+                              f"expected a complete safetensors file: fetch or save it again") from exc
 
 
 def load_pretrained(path: str | Path, *, dtype: str | torch.dtype | None = None, backend: Backend | None = None,
@@ -88,16 +118,17 @@ def load_pretrained(path: str | Path, *, dtype: str | torch.dtype | None = None,
     or unexpected tensors and shape mismatches raise ``CheckpointError`` listing the names.
     """
     path = Path(path)
-    if not (path / "config.json").is_file():
-        raise CheckpointError(f"{path}: no config.json; expected a local Hugging Face checkpoint directory")
-    config = ModelConfig.from_hf(json.loads((path / "config.json").read_text()), dtype)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not a directory; expected a local Hugging Face checkpoint directory "
+                              f"(config.json + *.safetensors)")
+    config = ModelConfig.from_hf(read_hf_config(path), dtype, source=str(path / "config.json"))
     model = DecoderLM(config, backend=backend, device=device)
     targets = hf_slices(model)
     safetensors = _safetensors()
     filled, unexpected = set(), []
     with torch.no_grad():
         for file in _weight_files(path):
-            with safetensors.safe_open(str(file), framework="pt") as f:
+            with _open_safetensors(safetensors, file) as f:
                 for name in f.keys():
                     if name not in targets:
                         if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and model.lm_head is None):
@@ -105,7 +136,7 @@ def load_pretrained(path: str | Path, *, dtype: str | torch.dtype | None = None,
                         unexpected.append(name)
                         continue
                     param, rows = targets[name]
-                    tensor = f.get_tensor(name)
+                    tensor = _read_tensor(f, file, name)
                     expected = tuple(param[rows].shape)
                     if tuple(tensor.shape) != expected:
                         raise CheckpointError(f"{file.name}: {name} has shape {tuple(tensor.shape)}, expected "

@@ -10,17 +10,83 @@ MLP bias, another activation) is refused with the key that asked for it, never s
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from hal.errors import UnsupportedError
+from hal.errors import HalError, UnsupportedError
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _HF_CLASSES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+
+
+class CheckpointError(HalError):
+    """A checkpoint directory is missing files or tensors, holds tensors of the wrong shape, or a file
+    that cannot be read (not JSON, not safetensors, truncated, keys missing or of the wrong type)."""
+
+
+_REQUIRED = object()
+
+
+class _HfReader:
+    """Typed reads of config.json keys: a missing key or a value of the wrong JSON type is a
+    CheckpointError naming the file, the key and what was found (never a KeyError or ValueError)."""
+
+    def __init__(self, hf: dict[str, Any], source: str):
+        self.hf, self.source = hf, source
+
+    def _get(self, key: str, default: Any, types: tuple[type, ...], expected: str) -> Any:
+        value = self.hf.get(key)
+        if value is None:      # absent, or null as some exported configs write it
+            if default is _REQUIRED:
+                raise CheckpointError(f"{self.source}: key {key!r} is missing; expected {expected} "
+                                      f"(a Hugging Face config.json of a Llama / Qwen2 / Qwen3 model)")
+            return default
+        if isinstance(value, bool) and bool not in types or not isinstance(value, types):
+            raise CheckpointError(f"{self.source}: {key} = {json.dumps(value)}: expected {expected}")
+        return value
+
+    def int(self, key: str, default: Any = _REQUIRED) -> int:
+        return self._get(key, default, (int,), "an integer")
+
+    def float(self, key: str, default: Any = _REQUIRED) -> float:
+        return float(self._get(key, default, (int, float), "a number"))
+
+    def bool(self, key: str, default: bool = False) -> bool:
+        return self._get(key, default, (bool,), "true or false")
+
+    def str(self, key: str, default: Any = _REQUIRED) -> str:
+        return self._get(key, default, (str,), "a string")
+
+    def dict(self, key: str) -> dict[str, Any]:
+        return self._get(key, {}, (dict,), "an object")
+
+
+def read_hf_config(path: str | Path) -> dict[str, Any]:
+    """The dict in a Hugging Face ``config.json`` (a file, or the checkpoint directory holding it)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{path.parent}: no config.json; expected a local Hugging Face checkpoint directory")
+    try:
+        hf = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise CheckpointError(f"{path}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}); "
+                              f"expected the JSON config.json of a Hugging Face checkpoint") from exc
+    except json.JSONDecodeError as exc:
+        found = "an empty file" if not exc.doc.strip() else f"invalid JSON ({exc.msg} at line {exc.lineno} " \
+                                                           f"column {exc.colno})"
+        raise CheckpointError(f"{path}: {found}; expected the JSON config.json of a Hugging Face checkpoint "
+                              f"(re-export it with save_pretrained)") from exc
+    if not isinstance(hf, dict):
+        raise CheckpointError(f"{path}: a JSON {type(hf).__name__}; expected a JSON object of model settings")
+    return hf
 
 
 def dtype_from_name(name: str | torch.dtype) -> torch.dtype:
@@ -89,46 +155,56 @@ class ModelConfig:
     # -- Hugging Face config.json ---------------------------------------------------------------
 
     @classmethod
-    def from_hf(cls, hf: dict[str, Any], dtype: str | torch.dtype | None = None) -> "ModelConfig":
-        """From a Hugging Face ``config.json`` dict of a Llama, Qwen2 or Qwen3 checkpoint."""
-        arch = hf.get("model_type")
+    def from_hf(cls, hf: dict[str, Any], dtype: str | torch.dtype | None = None,
+                source: str = "config.json") -> "ModelConfig":
+        """From a Hugging Face ``config.json`` dict of a Llama, Qwen2 or Qwen3 checkpoint. A missing
+        key or a value of the wrong type raises ``CheckpointError``; a setting the model cannot
+        honour raises ``UnsupportedError``; ``source`` names the file in both."""
+        if not isinstance(hf, dict):
+            raise CheckpointError(f"{source}: a JSON {type(hf).__name__}; expected a JSON object of model settings")
+        r = _HfReader(hf, source)
+        arch = r.str("model_type", None)
+        names = r._get("architectures", [], (list,), "a list of class names")
         if arch not in ARCHITECTURES:
-            arch = next((_HF_CLASSES[a] for a in hf.get("architectures") or () if a in _HF_CLASSES), None)
+            arch = next((_HF_CLASSES[a] for a in names if isinstance(a, str) and a in _HF_CLASSES), None)
         if arch is None:
-            raise UnsupportedError(f"config.json: model_type {hf.get('model_type')!r} / architectures "
+            raise UnsupportedError(f"{source}: model_type {hf.get('model_type')!r} / architectures "
                                    f"{hf.get('architectures')} is not one of {', '.join(ARCHITECTURES)}")
-        act = hf.get("hidden_act", "silu")
+        act = r.str("hidden_act", "silu")
         if act != "silu":
-            raise UnsupportedError(f"config.json: hidden_act {act!r} is not supported (only 'silu')")
-        rope = hf.get("rope_scaling") or {}
-        params = hf.get("rope_parameters") or {}
+            raise UnsupportedError(f"{source}: hidden_act {act!r} is not supported (only 'silu')")
+        rope = r.dict("rope_scaling")
+        params = r.dict("rope_parameters")
         rope_type = rope.get("rope_type", rope.get("type")) or params.get("rope_type", "default")
         if rope_type != "default":
-            raise UnsupportedError(f"config.json: rope scaling {rope_type!r} is not supported (only plain RoPE)")
-        if float(hf.get("partial_rotary_factor", 1.0)) != 1.0:
-            raise UnsupportedError("config.json: partial_rotary_factor != 1 is not supported")
-        if hf.get("mlp_bias"):
-            raise UnsupportedError("config.json: mlp_bias = true is not supported")
-        if hf.get("use_sliding_window"):
-            raise UnsupportedError("config.json: use_sliding_window = true is not supported")
-        heads = int(hf["num_attention_heads"])
-        hidden = int(hf["hidden_size"])
+            raise UnsupportedError(f"{source}: rope scaling {rope_type!r} is not supported (only plain RoPE)")
+        if r.float("partial_rotary_factor", 1.0) != 1.0:
+            raise UnsupportedError(f"{source}: partial_rotary_factor != 1 is not supported")
+        if r.bool("mlp_bias"):
+            raise UnsupportedError(f"{source}: mlp_bias = true is not supported")
+        if r.bool("use_sliding_window"):
+            raise UnsupportedError(f"{source}: use_sliding_window = true is not supported")
+        heads = r.int("num_attention_heads")
+        hidden = r.int("hidden_size")
         if dtype is None:
-            dtype = hf.get("torch_dtype") or hf.get("dtype") or "bfloat16"
+            dtype = r.str("torch_dtype", None) or r.str("dtype", None) or "bfloat16"
+        theta = params.get("rope_theta", 10000.0)
+        if isinstance(theta, bool) or not isinstance(theta, (int, float)):
+            raise CheckpointError(f"{source}: rope_parameters.rope_theta = {json.dumps(theta)}: expected a number")
         return cls(
             architecture=arch,
-            vocab_size=int(hf["vocab_size"]),
+            vocab_size=r.int("vocab_size"),
             hidden_size=hidden,
-            intermediate_size=int(hf["intermediate_size"]),
-            num_layers=int(hf["num_hidden_layers"]),
+            intermediate_size=r.int("intermediate_size"),
+            num_layers=r.int("num_hidden_layers"),
             num_heads=heads,
-            num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-            head_dim=int(hf.get("head_dim") or hidden // heads),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(hf.get("rope_theta", params.get("rope_theta", 10000.0))),
-            max_position=int(hf.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=arch == "qwen2" or bool(hf.get("attention_bias", False)),
+            num_kv_heads=r.int("num_key_value_heads", heads),
+            head_dim=r.int("head_dim", hidden // heads if heads > 0 else 0),
+            rms_norm_eps=r.float("rms_norm_eps", 1e-6),
+            rope_theta=r.float("rope_theta", float(theta)),
+            max_position=r.int("max_position_embeddings", 4096),
+            tie_word_embeddings=r.bool("tie_word_embeddings"),
+            qkv_bias=arch == "qwen2" or r.bool("attention_bias"),
             qk_norm=arch == "qwen3",
             dtype=str(dtype_from_name(dtype)).replace("torch.", ""),
         )
