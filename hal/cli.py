@@ -8,7 +8,7 @@ import os
 import platform
 import sys
 
-from hal.errors import HalError
+from hal.errors import BackendNotFoundError, HalError
 
 
 def _doctor(args: argparse.Namespace) -> int:
@@ -16,7 +16,7 @@ def _doctor(args: argparse.Namespace) -> int:
 
     from hal import __version__
     from hal.api import resolve_backend_name
-    from hal.registry import discover
+    from hal.registry import discover, installed_summary
 
     print(f"hal {__version__} | python {platform.python_version()} | torch {torch.__version__} | "
           f"{platform.machine()} {platform.system()}")
@@ -37,12 +37,22 @@ def _doctor(args: argparse.Namespace) -> int:
     for row in rows:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[-1])
     print()
+    # A default that cannot be created (HAL_BACKEND naming nothing installed, several accelerators)
+    # breaks every command that relies on it: report it as the error, after the table that helps fix it.
+    default_error = None
     try:
         name, why = resolve_backend_name()
+        if name not in discover():
+            raise BackendNotFoundError(f"{why} names backend {name!r}, which is not installed; installed: "
+                                       f"{installed_summary()}. Set {why} to one of them"
+                                       f"{' or unset it' if why == 'HAL_BACKEND' else ''}")
         print(f"default backend here: {name} ({why})")
     except HalError as exc:
-        print(f"default backend here: none ({exc})")
+        default_error = exc
+        print("default backend here: none (see the error below)")
     print(f"vLLM plugin: {_vllm_plugin_status()}")
+    if default_error is not None:
+        raise default_error
     return 1 if problems else 0
 
 

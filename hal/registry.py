@@ -111,6 +111,13 @@ def describe_installed() -> str:
     return "\n".join(lines) or "  (none: is the package installed?)"
 
 
+def installed_summary() -> str:
+    """The installed backends on one line, ``name (available|unavailable)``, for one-line errors."""
+    found = discover()
+    return ", ".join(f"{name} ({'available' if info.probe().available else 'unavailable'})"
+                     for name, info in found.items()) or "none (is the package installed?)"
+
+
 def backend_class(name: str) -> type[Backend]:
     """The class registered under ``name``; clear errors for unknown, broken and conflicting names."""
     found = discover()

@@ -117,3 +117,14 @@ def test_unavailable_backend_says_why_and_how_to_choose():
     with pytest.raises(BackendUnavailableError, match=r"backend 'ascend' \(chosen by the explicit argument\) "
                                                       r"is not available here: torch_npu is not importable"):
         create_backend("ascend")
+
+
+def test_doctor_with_an_unknown_hal_backend_says_it_is_not_installed_and_fails():
+    out = run("from hal.cli import main; raise SystemExit(main(['doctor']))", HAL_BACKEND="nonsense")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    (line,) = out.stderr.strip().splitlines()
+    assert line.startswith("hal: error: HAL_BACKEND names backend 'nonsense', which is not installed")
+    assert "reference (available)" in line and "torch (available)" in line and "cuda (unavailable)" in line
+    assert "reference" in out.stdout      # the table of installed backends is still printed
+    ok = run("from hal.cli import main; raise SystemExit(main(['doctor']))", HAL_BACKEND="torch")
+    assert ok.returncode == 0 and "default backend here: torch (HAL_BACKEND)" in ok.stdout
