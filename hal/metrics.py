@@ -3,8 +3,8 @@
 For each response token t with rollout logprob ``a_t`` (what the engine reported) and trainer logprob
 ``b_t`` (recomputed on the same weights and prefix), with ``d_t = b_t - a_t`` evaluated in fp64:
 
-* ``mismatches``: tokens whose two fp32 logprobs are not equal (``torch.equal`` semantics per token;
-  two NaNs count as equal) -- the number that must be 0;
+* ``mismatches``: tokens whose two fp32 logprobs are not equal, or where either is NaN or +-Inf (a
+  diverged or broken side never counts as a match, not even NaN vs NaN) -- the number that must be 0;
 * ``max/mean/std |dlogp|``: of ``|d_t|`` (std is the population std, over all tokens);
 * ``max/mean |dp|``: of ``|exp(b_t) - exp(a_t)|``, the difference in probability space;
 * ``k3_kl``: ``mean(r - log r - 1)`` with ``r = p_train / p_rollout = exp(d_t)``, computed as
@@ -83,10 +83,13 @@ def compare_logprobs(train: Logprobs, rollout: Logprobs, mask: Logprobs | None =
     n = a.numel()
     if n == 0:
         return LogprobComparison(0, 0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
-    same = (a == b.to(a.device)) | (torch.isnan(a) & torch.isnan(b.to(a.device)))
+    b = b.to(a.device)
+    # A token matches only if both values are finite and equal. NaN != NaN already, but two equal
+    # infinities compare equal, and a max over nan-ignoring ops would report 0: neither may pass.
+    same = (a == b) & torch.isfinite(a) & torch.isfinite(b)
     a64, b64 = a.double().cpu(), b.double().cpu()
     d = b64 - a64
-    # Equal values (also two equal infinities) have d = 0 exactly, not inf - inf.
+    # Matching tokens have d = 0 exactly; a non-finite side keeps its NaN/Inf, which max/mean propagate.
     d = torch.where(same.cpu(), torch.zeros_like(d), d)
     abs_d = d.abs()
     dp = (b64.exp() - a64.exp()).abs()

@@ -6,6 +6,7 @@ mismatching response tokens between the rollout's and the trainer's logprobs (k3
 the stock `torch` baseline on the same recipe does not.
 """
 
+import json
 from pathlib import Path
 
 import pytest
@@ -77,7 +78,6 @@ def test_resume_continues_bitwise_like_an_uninterrupted_run(tmp_path):
 
 
 def test_local_hf_checkpoint_model(tmp_path):
-    pytest.importorskip("safetensors")
     from hal.model import DecoderLM, save_pretrained, tiny_config
 
     save_pretrained(DecoderLM.random(tiny_config("qwen3", "float32", vocab_size=16), seed=1), tmp_path / "ckpt")
@@ -109,6 +109,14 @@ def test_resume_refuses_a_changed_recipe(tmp_path):
     (["model.overrides={vocab_size: 8}"], "vocab_size >= 12"),
     (["samples_per_prompt=1"], "at least 2 samples"),
     (["steps"], "expected KEY=VALUE"),
+    (["steps=-3"], "steps = -3: must be >= 1"),
+    ([f"seed={2**64}"], "seed = 18446744073709551616: out of range"),
+    (["seed=-1"], "seed = -1: must be >= 0"),
+    (["model.overrides={vocab_size: abc}"], "model.overrides.vocab_size = 'abc': expected an integer"),
+    (["model.overrides={vocab_size: 16, head_dim: 15}"], "head_dim must be even"),
+    (["learning_rate=.inf"], "learning_rate = inf: expected a finite number"),
+    (["harness.preempt_prob=1.5"], "harness.preempt_prob = 1.5: .* must be in \\[0, 1\\)"),
+    (["task.prompt_len=600"], "prompt_len \\+ max_tokens \\(600 \\+ 4\\) exceeds the model's max_position 512"),
 ])
 def test_bad_recipes_fail_before_any_work_and_write_nothing(tmp_path, overrides, message):
     out = tmp_path / "out"
@@ -170,3 +178,215 @@ def test_weights_checksum_sees_in_place_updates():
     with torch.no_grad():
         p.weight[0, 0] += 1e-7
     assert weights_checksum(p) != before
+
+
+# -- `hal run` never loses or silently corrupts data ---------------------------------------------
+
+def _files(directory):
+    """Every file under ``directory`` (but the lock file) with its bytes."""
+    return {p.relative_to(directory): p.read_bytes() for p in sorted(Path(directory).rglob("*"))
+            if p.is_file() and p.name != ".hal-run.lock"}
+
+
+@pytest.mark.parametrize("contents", [b"- steps: 3\n- seed: 1\n", b"42\n", b"false\n", b"\x89PNG\r\n\x1a\n\xff\xfe\x00"])
+def test_cli_recipe_file_that_is_not_a_mapping_is_one_line_error(tmp_path, capsys, contents):
+    path = tmp_path / "bad.yaml"
+    path.write_bytes(contents)
+    assert main(["run", str(path), f"output_dir={tmp_path / 'out'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert "expected a mapping of keys" in err or "not a text file" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("override", [f"seed={2**63}", "model.overrides={vocab_size: abc}", "steps=-1",
+                                      "model.seed=-5", "harness.page_size=0", "temperature=.nan"])
+def test_cli_out_of_range_or_mistyped_override_is_one_line_error(tmp_path, capsys, override):
+    assert main(["run", str(SMOKE), f"output_dir={tmp_path / 'out'}", override]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hal: error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("bad, message", [("harness.preempt_prob=1.5", "preempt_prob"),
+                                          ("task.prompt_len=600", "max_position")])
+def test_overwrite_deletes_nothing_when_the_new_recipe_is_refused(tmp_path, bad, message):
+    run_recipe(_recipe(tmp_path, "steps=2"), echo=None)
+    before = _files(tmp_path / "out")
+    assert {"metrics.jsonl", "checkpoint.pt"} <= {p.name for p in before}
+    with pytest.raises(RecipeError, match=message):
+        run_recipe(_recipe(tmp_path, "steps=2", "overwrite=true", bad), echo=None)
+    assert _files(tmp_path / "out") == before
+
+
+def test_a_second_concurrent_run_into_the_same_output_dir_is_refused(tmp_path):
+    import threading
+
+    started, release, errors = threading.Event(), threading.Event(), []
+
+    def first_run():
+        def hold(line):                     # the first run's progress: park it after step 1
+            started.set()
+            release.wait(60)
+        try:
+            run_recipe(_recipe(tmp_path, "steps=2"), echo=hold)
+        except Exception as exc:            # reported below, not lost in the thread
+            errors.append(exc)
+
+    thread = threading.Thread(target=first_run)
+    thread.start()
+    try:
+        assert started.wait(60)
+        with pytest.raises(RecipeError, match="in use by another `hal run`"):
+            run_recipe(_recipe(tmp_path, "steps=2", "overwrite=true", "seed=1"), echo=None)
+    finally:
+        release.set()
+        thread.join(60)
+    assert not errors
+    lines = (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2]       # one run's lines, not interleaved
+
+
+def test_the_lock_dies_with_a_killed_run(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom hal.rl.runner import output_dir_lock\n"
+                               "with output_dir_lock(sys.argv[1]):\n    print('locked', flush=True)\n    time.sleep(120)",
+                               str(out)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(RecipeError, match=f"in use by another `hal run` \\(pid {holder.pid} holds"):
+            run_recipe(_recipe(tmp_path, "steps=1"), echo=None)
+    finally:
+        holder.send_signal(signal.SIGKILL)         # a crash: no finally, no cleanup in the holder
+        holder.wait()
+    assert [m["step"] for m in run_recipe(_recipe(tmp_path, "steps=1"), echo=None)["runs"]["reference"]] == [1]
+
+
+def test_a_users_recipe_in_output_dir_is_never_overwritten(tmp_path):
+    from hal.rl.recipe import RESOLVED_RECIPE
+
+    out = tmp_path / "out"
+    out.mkdir()
+    mine = out / "recipe.yaml"
+    mine.write_text("# my recipe\n" + SMOKE.read_text())
+    text = mine.read_bytes()
+    run_recipe(load_recipe(mine, [f"output_dir={out}", "steps=1"]), echo=None)
+    assert mine.read_bytes() == text
+    # The resolved recipe hal wrote is itself a recipe: resume from it.
+    resolved = out / RESOLVED_RECIPE
+    assert "fingerprint" in resolved.read_text()
+    run_recipe(load_recipe(resolved, ["steps=2", "resume=true"]), echo=None)
+    assert "steps: 2" in resolved.read_text() and mine.read_bytes() == text
+    # A user's file under the resolved recipe's name is refused, not overwritten.
+    user = tmp_path / "other"
+    user.mkdir()
+    (user / RESOLVED_RECIPE).write_text(SMOKE.read_text())
+    with pytest.raises(RecipeError, match="not a file hal wrote"):
+        load_recipe(user / RESOLVED_RECIPE, [f"output_dir={user}"])
+    assert (user / RESOLVED_RECIPE).read_text() == SMOKE.read_text()
+
+
+def test_a_flipped_byte_in_the_adam_state_is_refused_on_resume(tmp_path):
+    import io
+
+    run_recipe(_recipe(tmp_path, "steps=2"), echo=None)
+    path = tmp_path / "out" / "checkpoint.pt"
+    data = bytearray(path.read_bytes())
+    payload = bytes(data[data.index(b"PK\x03\x04"):])           # the torch.save zip, whatever precedes it
+    state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=False)
+    adam = next(iter(state["optimizer"]["state"].values()))["exp_avg_sq"]
+    raw = adam.contiguous().view(torch.uint8).numpy().tobytes()
+    assert data.count(raw) == 1
+    data[data.index(raw) + len(raw) // 2] ^= 0x10                 # one bit of one Adam second moment
+    path.write_bytes(bytes(data))
+    metrics = (tmp_path / "out" / "metrics.jsonl").read_bytes()
+    from hal.rl.grpo import CheckpointError
+
+    with pytest.raises(CheckpointError, match="is corrupt"):
+        run_recipe(_recipe(tmp_path, "steps=3", "resume=true"), echo=None)
+    assert (tmp_path / "out" / "metrics.jsonl").read_bytes() == metrics
+
+
+def test_a_partial_last_metrics_line_is_dropped_on_resume_with_a_warning(tmp_path, caplog):
+    run_recipe(_recipe(tmp_path, "steps=2"), echo=None)         # checkpoint at step 2
+    metrics = tmp_path / "out" / "metrics.jsonl"
+    lines = metrics.read_text().splitlines(keepends=True)
+    metrics.write_text("".join(lines) + '{"step": 3, "backend": "refer')    # killed while writing step 3
+    with caplog.at_level("WARNING", logger="hal.rl"):
+        resumed = run_recipe(_recipe(tmp_path, "steps=3", "resume=true"), echo=None)["runs"]["reference"]
+    assert "dropping its last line" in caplog.text
+    assert [m["step"] for m in resumed] == [1, 2, 3] and resumed[2]["resumed"]
+    # A damaged line that is not the last one is an error, never silently dropped.
+    metrics.write_text(lines[0] + "{garbage\n" + lines[1])
+    from hal.errors import HalError
+
+    with pytest.raises(HalError, match="line 2 is not valid JSON"):
+        run_recipe(_recipe(tmp_path, "steps=3", "resume=true"), echo=None)
+
+
+def test_resume_under_another_contract_fingerprint_is_refused(tmp_path, monkeypatch):
+    from hal.errors import ContractMismatchError
+
+    first = run_recipe(_recipe(tmp_path, "steps=2"), echo=None)["runs"]["reference"]
+    variant = tmp_path / "contracts" / "bf16-dense-v1.toml"     # same name, one value changed
+    variant.parent.mkdir()
+    text = (ROOT / "contracts" / "bf16-dense-v1.toml").read_text()
+    assert text.count("kv_chunk = 64\n") == 1
+    variant.write_text(text.replace("kv_chunk = 64\n", "kv_chunk = 32\n"))
+    monkeypatch.setenv("HAL_CONTRACT", str(variant))
+    before = _files(tmp_path / "out")
+    with pytest.raises(ContractMismatchError, match="fingerprint"):
+        run_recipe(_recipe(tmp_path, "steps=3", "resume=true"), echo=None)
+    assert _files(tmp_path / "out") == before
+    monkeypatch.delenv("HAL_CONTRACT")
+    from hal.contract import load_contract
+
+    assert first[0]["contract_fingerprint"] == load_contract("bf16-dense-v1").fingerprint
+    assert load_contract(str(variant)).fingerprint != first[0]["contract_fingerprint"]
+
+
+def test_resume_with_fewer_steps_than_the_checkpoint_is_refused(tmp_path):
+    run_recipe(_recipe(tmp_path, "steps=2"), echo=None)
+    before = _files(tmp_path / "out")
+    with pytest.raises(RecipeError, match="steps = 1 but the checkpoint .* is at step 2"):
+        run_recipe(_recipe(tmp_path, "steps=1", "resume=true"), echo=None)
+    assert _files(tmp_path / "out") == before
+
+
+def test_a_diverged_run_stops_naming_the_step(tmp_path):
+    from hal.rl.grpo import DivergedError
+
+    with pytest.raises(DivergedError, match="step 2: the run diverged"):
+        run_recipe(_recipe(tmp_path, "steps=3", "learning_rate=1e30"), echo=None)
+    # Step 1 is recorded, the diverged step is not.
+    assert [json.loads(line)["step"] for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()] == [1]
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_nan_and_inf_never_count_as_a_match(bad):
+    from hal.metrics import compare_logprobs
+
+    good = torch.tensor([-0.5, -1.25, -2.0])
+    assert compare_logprobs(good, good.clone()).mismatches == 0            # control: equal finite values match
+    same_bad = good.clone()
+    same_bad[1] = bad
+    both = compare_logprobs(same_bad, same_bad.clone())                   # NaN vs NaN, inf vs inf
+    one = compare_logprobs(same_bad, good)
+    for c in (both, one):
+        assert c.mismatches == 1 and not c.identical
+        assert not c.max_abs_diff == 0.0                                  # nan or inf, never 0
+
+
+def test_safetensors_is_a_runtime_dependency():
+    import sys
+
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:
+        import tomli as tomllib
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert any(d.replace(" ", "").startswith("safetensors") for d in deps)

@@ -26,28 +26,35 @@ rollout's, at every step, including the first step after a checkpoint restore. T
 baseline (stock kernels) shows what happens without the contract.
 
 Checkpoints (``checkpoint.pt`` in the run directory, every ``checkpoint_every`` steps and at the
-end): model and optimizer state, the step, the torch and Python RNG states and the recipe. Prompts,
-sampling seeds and harness schedules are functions of (seed, step), so a resumed run continues with
-exactly the batches the uninterrupted run would have drawn.
+end): model and optimizer state, the step, the torch and Python RNG states, the recipe and the
+backend/contract identity, written atomically with a sha256 over all of it that is verified before a
+resume (``save_checkpoint``, ``load_checkpoint``). Prompts, sampling seeds and harness schedules are
+functions of (seed, step), so a resumed run continues with exactly the batches the uninterrupted run
+would have drawn. A resume under another contract fingerprint is refused.
+
+A non-finite rollout or trainer logprob, loss or updated weight stops the run (``DivergedError``
+naming the step) before that step is recorded.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import os
 import random
 import time
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
 from hal import api
-from hal.errors import HalError, WeightSyncError
+from hal.errors import ContractMismatchError, HalError, WeightSyncError
 from hal.metrics import compare_logprobs
 from hal.model import DecoderLM, load_pretrained, tiny_config
 from hal.rl.engines import open_engine, weights_checksum
-from hal.rl.recipe import Recipe, RecipeError, dump_recipe
+from hal.rl.recipe import RESOLVED_RECIPE, Recipe, RecipeError, dump_recipe
 from hal.rl.report import MetricsLog
 from hal.rl.task import make_task
 from hal.rollout import Completion, HarnessConfig, Request, RolloutHarness, recompute_logprobs
@@ -57,6 +64,18 @@ METRICS = "metrics.jsonl"
 # Recipe keys a checkpoint must agree with to be resumed (steps and output paths may change).
 _RESUME_KEYS = ("model", "task", "backend", "contract", "engine", "prompts_per_step", "samples_per_prompt",
                 "max_tokens", "temperature", "learning_rate", "clip", "seed", "harness")
+
+
+@contextlib.contextmanager
+def num_threads(n: int) -> Iterator[None]:
+    """``torch.set_num_threads(n)`` inside the block, the caller's setting after it (tests run many
+    things in one process)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def build_model(recipe: Recipe, backend) -> DecoderLM:
@@ -125,72 +144,167 @@ def _request_seed(seed: int, step: int, index: int) -> int:
     return int.from_bytes(hashlib.sha256(f"hal.rl sample {seed} {step} {index}".encode()).digest()[:7], "little")
 
 
+class CheckpointError(HalError):
+    """A checkpoint cannot be resumed: it is damaged, not a hal checkpoint, or written for other steps."""
+
+
+class DivergedError(HalError):
+    """Training produced a non-finite logprob, loss or weight; the run stopped before recording the step."""
+
+
+# A checkpoint file is this header line, the sha256 of the payload, a newline, then the payload
+# (``torch.save`` of the state). The checksum covers everything restored: weights, Adam state, RNG
+# states, the recipe; torch.load itself checks none of it (a flipped byte in exp_avg_sq loads fine).
+_CHECKPOINT_MAGIC = b"hal-checkpoint-v1 sha256="
+
+
+def save_checkpoint(path: str | Path, state: dict) -> None:
+    """Write ``state`` atomically: a temp file, fsync, rename over ``path``, fsync of the directory.
+    A crash at any point leaves either the old checkpoint or the new one, never a torn file."""
+    path = Path(path)
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    payload = buffer.getvalue()
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("wb") as f:
+        f.write(_CHECKPOINT_MAGIC + hashlib.sha256(payload).hexdigest().encode() + b"\n")
+        f.write(payload)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)             # the rename itself survives a power loss
+    finally:
+        os.close(directory)
+
+
+def load_checkpoint(path: str | Path) -> dict:
+    """The state saved by ``save_checkpoint``; ``CheckpointError`` unless its checksum matches."""
+    path = Path(path)
+    data = path.read_bytes()
+    header, newline, payload = data.partition(b"\n")
+    if not header.startswith(_CHECKPOINT_MAGIC) or not newline:
+        raise CheckpointError(f"{path} is not a hal checkpoint of this version (it does not start with "
+                              f"{_CHECKPOINT_MAGIC.decode()!r}); start a new run (another output_dir or overwrite=true)")
+    expected = header[len(_CHECKPOINT_MAGIC):].decode("ascii", "replace")
+    actual = hashlib.sha256(payload).hexdigest()
+    if actual != expected:
+        raise CheckpointError(f"{path} is corrupt: the sha256 of its contents is {actual[:16]}..., the one written "
+                              f"with it is {expected[:16]}...; it was damaged after it was written (disk, copy). "
+                              f"Restore it from a backup, or start a new run (overwrite=true)")
+    return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=False)
+
+
+def backend_identity(backend) -> dict:
+    """What decides the bits of a run: the backend (name, package, version) and its contract."""
+    from hal.registry import discover
+
+    info = discover().get(backend.name)
+    contract = backend.contract
+    return {"backend": backend.name, "package": getattr(info, "package", "?"), "version": getattr(info, "version", "?"),
+            "contract": None if contract is None else contract.name, "fingerprint": backend.fingerprint}
+
+
+def _require_finite(step: int, what: str, tensors: Sequence[torch.Tensor]) -> None:
+    for t in tensors:
+        if not bool(torch.isfinite(t.detach()).all()):
+            raise DivergedError(f"step {step}: the run diverged: {what} holds NaN or Inf; stopped before recording "
+                                f"the step (metrics and checkpoint hold the steps before it). Lower learning_rate, "
+                                f"or resume from the last checkpoint with another recipe")
+
+
 class GRPORun:
-    """One recipe on one backend, into ``run_dir`` (metrics.jsonl, checkpoint.pt, recipe.yaml)."""
+    """One recipe on one backend, into ``run_dir`` (metrics.jsonl, checkpoint.pt, the resolved recipe).
+
+    ``prepare`` does everything that can fail before the run directory is touched (backend, model,
+    preflight, the verified checkpoint of a resume); ``execute`` then replaces or continues the run.
+    ``hal run`` calls both while it holds the output directory's lock (``hal.rl.runner``)."""
 
     def __init__(self, recipe: Recipe, run_dir: str | Path, progress: Callable[[dict], None] | None = None):
         self.recipe = recipe
         self.run_dir = Path(run_dir)
         self.progress = progress
         self.task = make_task(recipe)
+        self._prepared = False
 
     # -- checkpoints ----------------------------------------------------------------------------
 
     def _save(self, model, optimizer, step: int, checksum: str) -> None:
         state = {"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                  "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
-                 "recipe": self.recipe.to_dict(), "weights_checksum": checksum}
-        tmp = self.run_dir / (CHECKPOINT + ".tmp")
-        torch.save(state, tmp)
-        os.replace(tmp, self.run_dir / CHECKPOINT)      # a crash mid-save leaves the old checkpoint
+                 "recipe": self.recipe.to_dict(), "weights_checksum": checksum, "binding": self.identity}
+        save_checkpoint(self.run_dir / CHECKPOINT, state)
 
-    def _restore(self, model, optimizer) -> int:
-        state = torch.load(self.run_dir / CHECKPOINT, map_location="cpu", weights_only=False)
+    def _restore(self, model, optimizer) -> dict:
+        path = self.run_dir / CHECKPOINT
+        state = load_checkpoint(path)
         saved, now = state["recipe"], self.recipe.to_dict()
         changed = [k for k in _RESUME_KEYS if saved.get(k) != now.get(k)]
         if changed:
             raise RecipeError(f"resume: the checkpoint in {self.run_dir} was written by a recipe with different "
                               f"{', '.join(changed)} ({', '.join(f'{k}={saved.get(k)!r}' for k in changed)}); "
                               f"resume with the same values or start a new output_dir")
+        then = state.get("binding", {})
+        if then.get("fingerprint") != self.identity["fingerprint"]:
+            raise ContractMismatchError(
+                f"resume: {path} was written under contract {then.get('contract')!r} (fingerprint "
+                f"{then.get('fingerprint')}), this run binds {self.identity['contract']!r} (fingerprint "
+                f"{self.identity['fingerprint']}): the bits would differ. Bind the same contract (HAL_CONTRACT, "
+                f"contract=) or start a new output_dir")
+        step = int(state["step"])
+        if self.recipe.steps < step:
+            raise RecipeError(f"resume: steps = {self.recipe.steps} but the checkpoint in {self.run_dir} is at step "
+                              f"{step}; resume with steps >= {step} (nothing is rewritten)")
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-        torch.set_rng_state(state["torch_rng"])
-        random.setstate(state["python_rng"])
         if weights_checksum(model) != state["weights_checksum"]:
             raise WeightSyncError(f"resume: the restored weights' checksum differs from the one saved in "
-                                  f"{self.run_dir / CHECKPOINT}; the checkpoint is corrupt")
-        return int(state["step"])
+                                  f"{path}; the checkpoint is corrupt")
+        return state
 
     # -- the loop -------------------------------------------------------------------------------
 
     def run(self) -> list[dict]:
-        """Run (or resume) to ``recipe.steps``; returns this invocation's per-step metrics."""
-        threads = torch.get_num_threads()
-        torch.set_num_threads(self.recipe.threads)
-        try:
-            return self._run()
-        finally:
-            torch.set_num_threads(threads)     # the caller's setting (tests run many things in one process)
+        """Prepare and run (or resume) to ``recipe.steps``; returns this invocation's per-step metrics."""
+        with num_threads(self.recipe.threads):
+            self.prepare()
+            return self.execute()
 
-    def _run(self) -> list[dict]:
+    def prepare(self) -> None:
+        """Build and check everything; reads the run directory, writes nothing."""
         r = self.recipe
-        backend = api.create_backend(r.backend, r.contract)
+        self.backend = api.create_backend(r.backend, r.contract)
+        self.identity = backend_identity(self.backend)
+        self.model = build_model(r, self.backend)
+        _preflight(self.model, r)
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=r.learning_rate)
+        self.restored = self._restore(self.model, self.optimizer) if r.resume else None
+        self._prepared = True
+
+    def execute(self) -> list[dict]:
+        """Replace (or continue) the run in ``run_dir``: the first call that writes anything."""
+        if not self._prepared:
+            raise HalError("GRPORun.execute: call prepare() first")
+        r, model, optimizer = self.recipe, self.model, self.optimizer
         torch.manual_seed(r.seed)
         random.seed(r.seed)
-        model = build_model(r, backend)
-        _preflight(model, r)
-        optimizer = torch.optim.Adam(model.parameters(), lr=r.learning_rate)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         metrics_log = MetricsLog(self.run_dir / METRICS)
         start = 0
-        if r.resume:
-            start = self._restore(model, optimizer)
+        if self.restored is not None:
+            start = int(self.restored["step"])
+            torch.set_rng_state(self.restored["torch_rng"])
+            random.setstate(self.restored["python_rng"])
             metrics_log.truncate_after(start)
         else:
             for name in (METRICS, CHECKPOINT):
                 (self.run_dir / name).unlink(missing_ok=True)
-        (self.run_dir / "recipe.yaml").write_text(dump_recipe(r))
-        engine = open_engine(r, model, backend, self.run_dir, lambda step: _request_seed(r.seed, step, -1))
+        ident = self.identity
+        (self.run_dir / RESOLVED_RECIPE).write_text(dump_recipe(r, [
+            f"backend {ident['backend']} ({ident['package']} {ident['version']}), contract {ident['contract']}, "
+            f"fingerprint {ident['fingerprint']}"]))
+        engine = open_engine(r, model, self.backend, self.run_dir, lambda step: _request_seed(r.seed, step, -1))
         out = []
         try:
             seen = engine.check(model)         # the engine starts from the trainer's (restored) weights
@@ -198,6 +312,7 @@ class GRPORun:
                 m = self._step(step, model, optimizer, engine)
                 m["resumed"] = step == start + 1 and r.resume
                 m["engine"] = engine.describe()
+                m["contract_fingerprint"] = ident["fingerprint"]
                 m["engine_weights_sha256"] = seen[:16]      # the weights this step's rollout used
                 synced = engine.sync(model)                 # raises WeightSyncError unless exact
                 m["weights_changed"] = synced != seen
@@ -227,14 +342,18 @@ class GRPORun:
         # The trainer: recompute on the same weights (differentiable), compare before the update.
         train = recompute_logprobs(model, completions, seed=_request_seed(r.seed, step, -2))
         t2 = time.perf_counter()
+        _require_finite(step, "the rollout's logprobs", [c.logprobs for c in completions])
+        _require_finite(step, "the trainer's logprobs", train)
         consistency = compare_logprobs(train, [c.logprobs for c in completions])
         entropy = response_entropy(model, completions, r.temperature)   # the pre-update sampling policy
         old = [lp.detach() for lp in train]
         loss = grpo_loss(train, old, advantages, r.clip)
         optimizer.zero_grad(set_to_none=True)
         t3 = time.perf_counter()
+        _require_finite(step, "the loss", [loss])
         loss.backward()
         optimizer.step()
+        _require_finite(step, "the updated weights", list(model.parameters()))
         t4 = time.perf_counter()
         gen_tokens = sum(len(c.tokens) for c in completions)
         train_tokens = sum(len(c.sequence) for c in completions)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -27,6 +28,13 @@ ENGINES = ("harness", "vllm")
 #: head sizes vLLM 0.32's CPU attention backend accepts (CPUAttentionBackend.get_supported_head_sizes)
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 BASELINE = "torch"
+#: the resolved recipe a run writes into its run directory. Not ``recipe.yaml``: a user's own recipe
+#: kept in the output directory (``hal run runs/x/recipe.yaml output_dir=runs/x``) is never touched.
+RESOLVED_RECIPE = "resolved-recipe.yaml"
+#: the first line of every resolved recipe hal writes; a file of that name without it is the user's
+RESOLVED_HEADER = "# hal run: the resolved recipe of the run in this directory (rewritten by every run here)"
+#: integers a recipe may hold (torch and the RNGs take 64-bit seeds)
+INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
 
 
 class RecipeError(HalError):
@@ -120,17 +128,25 @@ def _check_type(where: str, value: Any, annotation: str) -> Any:
         raise RecipeError(f"{where} = {value!r}: expected true or false")
     if base == "int":
         if isinstance(value, int) and not isinstance(value, bool):
+            if not INT64_MIN <= value <= INT64_MAX:
+                raise RecipeError(f"{where} = {value}: out of range; expected an integer that fits in 64 bits "
+                                  f"(|value| < 2**63)")
             return value
         raise RecipeError(f"{where} = {value!r}: expected an integer")
     if base == "float":
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):       # YAML 1.1 reads `1e-2` (no dot) as a string
+            number = float(value) if abs(value) < 1e308 or isinstance(value, float) else math.inf
+        elif isinstance(value, str):       # YAML 1.1 reads `1e-2` (no dot) as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
-        raise RecipeError(f"{where} = {value!r}: expected a number")
+        if number is None:
+            raise RecipeError(f"{where} = {value!r}: expected a number")
+        if not math.isfinite(number):      # nan/inf would train garbage or fail far from here
+            raise RecipeError(f"{where} = {value!r}: expected a finite number")
+        return number
     if base == "str":
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
@@ -189,6 +205,8 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 
 def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
     """A copy of the raw recipe mapping with ``KEY=VALUE`` overrides applied (validated later)."""
+    if not isinstance(data, dict):
+        raise RecipeError(f"recipe: expected a mapping of keys (key: value lines), got {type(data).__name__}")
     data = copy.deepcopy(data)
     for text in overrides:
         path, value = parse_override(text)
@@ -210,10 +228,24 @@ def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> Recipe:
     if not path.is_file():
         raise RecipeError(f"recipe file {path} does not exist; the shipped recipes are in recipes/")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise RecipeError(f"{path}: not a text file (byte {exc.start} is not UTF-8); expected a YAML recipe, "
+                          f"see recipes/") from None
+    try:
+        data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise RecipeError(f"{path}: not valid YAML: {exc}") from None
-    recipe = recipe_from_dict(apply_overrides(data, overrides), str(path))
+        raise RecipeError(f"{path}: not valid YAML: {' '.join(str(exc).split())}") from None
+    if data is None:                      # an empty file: every key at its default
+        data = {}
+    if not isinstance(data, dict):
+        raise RecipeError(f"{path}: expected a mapping of keys (`steps: 5` lines), got a YAML "
+                          f"{type(data).__name__} ({str(data)[:40]!r}); see recipes/ for examples")
+    try:
+        data = apply_overrides(data, overrides)
+    except RecipeError as exc:
+        raise RecipeError(f"{path}: {exc}") from None
+    recipe = recipe_from_dict(data, str(path))
     validate(recipe, str(path))
     return recipe
 
@@ -285,6 +317,16 @@ def validate(recipe: Recipe, source: str = "recipe") -> None:
         raise bad("clip", recipe.clip, "must be > 0 or null")
     if not recipe.output_dir:
         raise bad("output_dir", recipe.output_dir, "must be a directory path")
+    for key in ("seed", "model.seed"):
+        value = recipe.seed if key == "seed" else recipe.model.seed
+        if value < 0:
+            raise bad(key, value, "must be >= 0 (and < 2**63)")
+    h = recipe.harness
+    for key in ("page_size", "max_num_seqs", "max_batch_tokens"):
+        if getattr(h, key) < 1:
+            raise bad(f"harness.{key}", getattr(h, key), "must be >= 1")
+    if not 0.0 <= h.preempt_prob < 1.0:
+        raise bad("harness.preempt_prob", h.preempt_prob, "a probability per schedule step: must be in [0, 1)")
     if recipe.task.name not in TASKS:
         raise bad("task.name", recipe.task.name, f"unknown task; known: {', '.join(TASKS)}")
 
@@ -305,10 +347,20 @@ def validate(recipe: Recipe, source: str = "recipe") -> None:
     else:
         if m.arch not in ARCHITECTURES:
             raise bad("model.arch", m.arch, f"use one of {', '.join(ARCHITECTURES)}")
-        known = {f.name for f in dataclasses.fields(ModelConfig)} - {"architecture", "dtype"}
+        types = {f.name: str(f.type) for f in dataclasses.fields(ModelConfig)}
+        known = set(types) - {"architecture", "dtype"}
         unknown = sorted(set(m.overrides) - known)
         if unknown:
             raise bad("model.overrides", unknown, f"unknown model config fields; known: {', '.join(sorted(known))}")
+        for name, value in m.overrides.items():
+            if not isinstance(name, str):
+                raise bad("model.overrides", m.overrides, "keys must be ModelConfig field names")
+            _check_type(f"{source}: model.overrides.{name}", value, types[name])
+    max_position = _max_position(recipe, bad)
+    if recipe.task.prompt_len + recipe.max_tokens > max_position:
+        raise bad("task.prompt_len", recipe.task.prompt_len,
+                  f"prompt_len + max_tokens ({recipe.task.prompt_len} + {recipe.max_tokens}) exceeds the model's "
+                  f"max_position {max_position}; shorten them or raise model.overrides.max_position")
 
     if recipe.engine == "vllm":
         _check_vllm_engine(recipe, bad)
@@ -329,9 +381,41 @@ def validate(recipe: Recipe, source: str = "recipe") -> None:
                       "they must differ")
         _check_backend(recipe.baseline, "baseline", source)
 
+    check_output_dir(recipe, source)
+
+
+def _max_position(recipe: Recipe, bad) -> int:
+    """The model's max_position, from its config (an unusable config is a RecipeError)."""
+    import json
+
+    from hal.model.config import ModelConfig, tiny_config
+
+    m = recipe.model
+    try:
+        if m.checkpoint is None:
+            return tiny_config(m.arch, m.dtype, **m.overrides).max_position
+        return ModelConfig.from_hf(json.loads((Path(m.checkpoint) / "config.json").read_text())).max_position
+    except HalError as exc:
+        raise bad("model", m.checkpoint or m.overrides, f"not a usable model config: {exc}") from None
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise bad("model.checkpoint", m.checkpoint, f"cannot read config.json: {exc}") from None
+
+
+def check_output_dir(recipe: Recipe, source: str = "recipe") -> None:
+    """What ``output_dir`` must (not) hold for this recipe: a run to resume, no run unless overwrite,
+    no user file where the resolved recipe goes. Checked in ``validate`` and again by ``run_recipe``
+    while it holds the output directory's lock (another run may have finished in between)."""
+    def bad(key: str, value: Any, fix: str) -> RecipeError:
+        return RecipeError(f"{source}: {key} = {value!r}: {fix}")
+
     out = Path(recipe.output_dir)
     runs = [out / b for b in (recipe.backend, recipe.baseline)] if recipe.compare else [out]
     for run_dir in runs:
+        resolved = run_dir / RESOLVED_RECIPE
+        if resolved.is_file() and not _written_by_hal(resolved):
+            raise bad("output_dir", recipe.output_dir, f"{resolved} is not a file hal wrote (its first line is not "
+                      f"{RESOLVED_HEADER!r}); hal writes the resolved recipe there and never overwrites a user's "
+                      f"file: move it or choose another output_dir")
         has_run = (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoint.pt").exists()
         if recipe.resume and not (run_dir / "checkpoint.pt").is_file():
             raise bad("resume", True, f"no checkpoint at {run_dir / 'checkpoint.pt'}; run without resume first "
@@ -341,6 +425,13 @@ def validate(recipe: Recipe, source: str = "recipe") -> None:
                       f"continue it, overwrite=true to replace it, or another output_dir")
 
 
-def dump_recipe(recipe: Recipe) -> str:
-    """The resolved recipe as YAML (written next to the run's metrics)."""
-    return yaml.safe_dump(recipe.to_dict(), sort_keys=False)
+def _written_by_hal(path: Path) -> bool:
+    with path.open("rb") as f:
+        return f.readline().rstrip(b"\r\n") == RESOLVED_HEADER.encode()
+
+
+def dump_recipe(recipe: Recipe, comments: Sequence[str] = ()) -> str:
+    """The resolved recipe as YAML (written next to the run's metrics as ``RESOLVED_RECIPE``), after
+    ``RESOLVED_HEADER`` and ``comments`` as comment lines; ``hal run`` reads it back as a recipe."""
+    head = "".join(f"# {line}\n" for line in (RESOLVED_HEADER[2:], *comments))
+    return head + yaml.safe_dump(recipe.to_dict(), sort_keys=False)

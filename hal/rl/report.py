@@ -10,15 +10,22 @@ axis so that exact zeros sit on the axis and 1e-8-sized differences are still vi
 from __future__ import annotations
 
 import json
+import logging
+import os
 from pathlib import Path
 from typing import Sequence
+
+from hal.errors import HalError
+
+log = logging.getLogger("hal.rl")
 
 # The linear range of a symmetric-log axis when a plot has no non-zero value at all.
 SYMLOG_LINTHRESH = 1e-12
 
 
 class MetricsLog:
-    """Append-only JSONL file of per-step metrics (flushed every line: a crash loses nothing written)."""
+    """Append-only JSONL file of per-step metrics (flushed and fsynced every line: a crash loses
+    nothing written, except at worst the line being written, which a resume drops)."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -26,15 +33,44 @@ class MetricsLog:
     def append(self, metrics: dict) -> None:
         with self.path.open("a") as f:
             f.write(json.dumps(metrics, sort_keys=False) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
 
     def truncate_after(self, step: int) -> None:
-        """Keep only the lines of steps <= ``step`` (what a checkpoint of ``step`` has seen)."""
-        kept = [m for m in read_metrics(self.path) if m["step"] <= step] if self.path.exists() else []
-        self.path.write_text("".join(json.dumps(m) + "\n" for m in kept))
+        """Keep only the lines of steps <= ``step`` (what a checkpoint of ``step`` has seen); a partial
+        last line (a kill mid-write) is dropped with a warning. Atomic: temp file, then rename."""
+        kept = [m for m in read_metrics(self.path, drop_partial_last=True) if m["step"] <= step] \
+            if self.path.exists() else []
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with tmp.open("w") as f:
+            f.write("".join(json.dumps(m) + "\n" for m in kept))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
 
 
-def read_metrics(path: str | Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+def read_metrics(path: str | Path, *, drop_partial_last: bool = False) -> list[dict]:
+    """The per-step objects of a metrics.jsonl. A line that is not JSON raises ``HalError``, except,
+    with ``drop_partial_last``, an unterminated last line: the line a killed run was writing, which
+    is dropped with a warning on the ``hal.rl`` logger."""
+    path = Path(path)
+    lines = path.read_bytes().split(b"\n")       # a complete file ends with a newline: lines[-1] == b""
+    out = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            out.append(json.loads(line.decode("utf-8")))
+            continue
+        except ValueError:                          # also UnicodeDecodeError: a cut inside a character
+            pass
+        if drop_partial_last and number == len(lines):
+            log.warning("%s: dropping its last line (%d bytes, no newline, not valid JSON): the line a killed "
+                        "run was writing; that step is re-run from the checkpoint", path, len(line))
+            continue
+        raise HalError(f"{path}: line {number} is not valid JSON ({line[:60]!r}); the metrics file is damaged: "
+                       f"fix or remove that line, or start a new run (overwrite=true)")
+    return out
 
 
 def _g(x: float) -> str:
