@@ -40,6 +40,10 @@ from hal.model.trace import OpTrace, TraceEntry
 SCENARIOS = ("train-vs-rollout", "rollout-vs-rollout", "train-vs-train")
 
 
+class NothingComparedError(HalError):
+    """The two traces had no (op, position) pair in common: "no divergence" would mean nothing."""
+
+
 # ---------------------------------------------------------------------------------------------
 # Comparing two traces.
 # ---------------------------------------------------------------------------------------------
@@ -312,6 +316,15 @@ def run_diff(spec: DiffSpec, model=None) -> DiffReport:
             label_b = (f"training forward of all {len(order)} requests packed on {backend_b.name} "
                        f"(page size {page_b}{eps_note})")
     comparison = first_divergence(_restrict(trace_a, spec.position), _restrict(trace_b, spec.position))
+    if comparison.compared == 0:
+        length = len(sequences[r])
+        why = (f"--position {spec.position} is outside it; choose one in that range or leave it out"
+               if spec.position is not None and not 0 <= spec.position < length else
+               "no op output was captured on both sides (this is a bug: please report it with the repro "
+               f"command {spec.command()})")
+        raise NothingComparedError(
+            f"hal diff compared nothing: 0 (op, position) pairs for request {r} (a sequence of {length} tokens, "
+            f"positions 0..{length - 1}): {why}")
     common = sorted(set(trace_a.positions("logprob")) & set(trace_b.positions("logprob")))
     if comparison.token_divergence is not None:
         common = [p for p in common if p < comparison.token_divergence]

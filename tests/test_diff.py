@@ -101,3 +101,15 @@ def test_bad_specs_are_refused():
         DiffSpec(request=5)
     with pytest.raises(HalError, match="no RMSNorm of the model matches"):
         run_diff(DiffSpec(backend="reference", eps_b={"model.layers.9.nothing": 1e-3}, **SMALL))
+
+
+def test_a_diff_that_compared_nothing_is_an_error(capsys):
+    from hal.diff import NothingComparedError
+
+    with pytest.raises(NothingComparedError, match=r"compared nothing.*--position 500 is outside"):
+        run_diff(DiffSpec(backend="reference", position=500, **SMALL))
+    argv = ["diff", "--backend", "reference", "--num-requests", "2", "--prompt-len", "3-6", "--max-new-tokens", "3",
+            "--position", "500"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hal: error: hal diff compared nothing") and len(err.strip().splitlines()) == 1
