@@ -51,19 +51,19 @@ class _HfReader:
             raise CheckpointError(f"{self.source}: {key} = {json.dumps(value)}: expected {expected}")
         return value
 
-    def int(self, key: str, default: Any = _REQUIRED) -> int:
+    def integer(self, key: str, default: Any = _REQUIRED) -> int:
         return self._get(key, default, (int,), "an integer")
 
-    def float(self, key: str, default: Any = _REQUIRED) -> float:
+    def number(self, key: str, default: Any = _REQUIRED) -> float:
         return float(self._get(key, default, (int, float), "a number"))
 
-    def bool(self, key: str, default: bool = False) -> bool:
+    def flag(self, key: str, default: bool = False) -> bool:
         return self._get(key, default, (bool,), "true or false")
 
-    def str(self, key: str, default: Any = _REQUIRED) -> str:
+    def text(self, key: str, default: Any = _REQUIRED) -> str:
         return self._get(key, default, (str,), "a string")
 
-    def dict(self, key: str) -> dict[str, Any]:
+    def table(self, key: str) -> dict[str, Any]:
         return self._get(key, {}, (dict,), "an object")
 
 
@@ -76,6 +76,8 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"{path.parent}: no config.json; expected a local Hugging Face checkpoint directory")
     try:
         hf = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot be read ({exc.strerror})") from exc
     except UnicodeDecodeError as exc:
         raise CheckpointError(f"{path}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}); "
                               f"expected the JSON config.json of a Hugging Face checkpoint") from exc
@@ -163,48 +165,48 @@ class ModelConfig:
         if not isinstance(hf, dict):
             raise CheckpointError(f"{source}: a JSON {type(hf).__name__}; expected a JSON object of model settings")
         r = _HfReader(hf, source)
-        arch = r.str("model_type", None)
+        arch = r.text("model_type", None)
         names = r._get("architectures", [], (list,), "a list of class names")
         if arch not in ARCHITECTURES:
             arch = next((_HF_CLASSES[a] for a in names if isinstance(a, str) and a in _HF_CLASSES), None)
         if arch is None:
             raise UnsupportedError(f"{source}: model_type {hf.get('model_type')!r} / architectures "
                                    f"{hf.get('architectures')} is not one of {', '.join(ARCHITECTURES)}")
-        act = r.str("hidden_act", "silu")
+        act = r.text("hidden_act", "silu")
         if act != "silu":
             raise UnsupportedError(f"{source}: hidden_act {act!r} is not supported (only 'silu')")
-        rope = r.dict("rope_scaling")
-        params = r.dict("rope_parameters")
+        rope = r.table("rope_scaling")
+        params = r.table("rope_parameters")
         rope_type = rope.get("rope_type", rope.get("type")) or params.get("rope_type", "default")
         if rope_type != "default":
             raise UnsupportedError(f"{source}: rope scaling {rope_type!r} is not supported (only plain RoPE)")
-        if r.float("partial_rotary_factor", 1.0) != 1.0:
+        if r.number("partial_rotary_factor", 1.0) != 1.0:
             raise UnsupportedError(f"{source}: partial_rotary_factor != 1 is not supported")
-        if r.bool("mlp_bias"):
+        if r.flag("mlp_bias"):
             raise UnsupportedError(f"{source}: mlp_bias = true is not supported")
-        if r.bool("use_sliding_window"):
+        if r.flag("use_sliding_window"):
             raise UnsupportedError(f"{source}: use_sliding_window = true is not supported")
-        heads = r.int("num_attention_heads")
-        hidden = r.int("hidden_size")
+        heads = r.integer("num_attention_heads")
+        hidden = r.integer("hidden_size")
         if dtype is None:
-            dtype = r.str("torch_dtype", None) or r.str("dtype", None) or "bfloat16"
+            dtype = r.text("torch_dtype", None) or r.text("dtype", None) or "bfloat16"
         theta = params.get("rope_theta", 10000.0)
         if isinstance(theta, bool) or not isinstance(theta, (int, float)):
             raise CheckpointError(f"{source}: rope_parameters.rope_theta = {json.dumps(theta)}: expected a number")
         return cls(
             architecture=arch,
-            vocab_size=r.int("vocab_size"),
+            vocab_size=r.integer("vocab_size"),
             hidden_size=hidden,
-            intermediate_size=r.int("intermediate_size"),
-            num_layers=r.int("num_hidden_layers"),
+            intermediate_size=r.integer("intermediate_size"),
+            num_layers=r.integer("num_hidden_layers"),
             num_heads=heads,
-            num_kv_heads=r.int("num_key_value_heads", heads),
-            head_dim=r.int("head_dim", hidden // heads if heads > 0 else 0),
-            rms_norm_eps=r.float("rms_norm_eps", 1e-6),
-            rope_theta=r.float("rope_theta", float(theta)),
-            max_position=r.int("max_position_embeddings", 4096),
-            tie_word_embeddings=r.bool("tie_word_embeddings"),
-            qkv_bias=arch == "qwen2" or r.bool("attention_bias"),
+            num_kv_heads=r.integer("num_key_value_heads", heads),
+            head_dim=r.integer("head_dim", hidden // heads if heads > 0 else 0),
+            rms_norm_eps=r.number("rms_norm_eps", 1e-6),
+            rope_theta=r.number("rope_theta", float(theta)),
+            max_position=r.integer("max_position_embeddings", 4096),
+            tie_word_embeddings=r.flag("tie_word_embeddings"),
+            qkv_bias=arch == "qwen2" or r.flag("attention_bias"),
             qk_norm=arch == "qwen3",
             dtype=str(dtype_from_name(dtype)).replace("torch.", ""),
         )
