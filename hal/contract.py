@@ -112,7 +112,11 @@ class Attention:
                          "softmax and splits are merged in ascending order (a fixed size, never a count)")
     split_merge: str = _choice("ascending_rescale", doc="M'=max(M,m); a=exp2(M-M'); b=exp2(m-M'); "
                                                         "L'=fl(fl(L*a)+fl(l*b)); A'=fl(fl(A*a)+fl(acc*b))")
-    mask: str = _choice("select_before_max", doc="masked keys are selected out before the max and contribute exact zeros")
+    mask: str = _choice("select_before_max", doc="masked keys (causally later, past seq_len in the last page, "
+                        "never-written page slots) are selected out before the max and contribute exactly nothing "
+                        "whatever their K and V hold (NaN, Inf): selected, never multiplied by zero (0 * NaN = "
+                        "NaN); only a visible key's non-finite K or V makes an output non-finite (which "
+                        "non-finite value is implementation-defined)")
     p_dtype: str = _choice("activation", doc="P is rounded to the activation dtype before P@V")
     row_sum: str = _choice("sum_of_rounded_p", doc="the softmax denominator sums the same rounded P that multiplies V")
     online_update: str = _choice("rescale_then_add", doc="alpha=exp2(m_old-m_new); l=fl(fl(l*alpha)+rowsum); "

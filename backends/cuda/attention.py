@@ -4,7 +4,8 @@ Reduction structure (contract [attention], read from ``kv_chunk`` and ``kv_split
   s = fl32(q.k * fl32(scale * log2 e)); keys in splits of KV_SPLIT at absolute positions 0, S, ...;
   inside a split, chunks of KV_CHUNK keys at absolute positions (BLOCK_N == KV_CHUNK), ascending:
       masked keys are selected out (-inf) before the row max; a row with no visible key in the
-      chunk keeps its state untouched
+      chunk keeps its state untouched; a masked key's NaN/Inf V never reaches P @ V (selected to 0;
+      an output element whose row sees a non-finite V entry is NaN; ``_chunk``)
       m' = max(m, rowmax s); alpha = exp2(m - m'); p = exp2(s - m') (0 where masked)
       p_r = round_act(p); rowsum = p_r @ ones (the MMA sums the same rounded P that multiplies V:
       a generic tl.sum over the MMA-layout P changes bits with the tile shape)
@@ -136,6 +137,20 @@ def _chunk(q, m, l, acc, n0, b, kvh, positions, seq_len, q_row_ok, ones, k_cache
         m_safe = tl.where(row_visits, m_new, 0.0)
         alpha = tl.exp2(m - m_safe)
         p = tl.where(visible, tl.exp2(s - m_safe[:, None]), 0.0)
+        # [attention].mask: a masked key contributes nothing, whatever its K and V hold (NaN, Inf,
+        # a never-written slot). Its score is selected out above (a NaN s stays in its own column:
+        # q.k is per key). Its V row is not: P is 0 there, but 0 * NaN = NaN inside P @ V, and a
+        # key masked for one row of the tile may be visible to another, so V cannot be selected
+        # per row. Instead non-finite V entries are selected to 0 before the dot (finite values
+        # pass unchanged: no bit changes for finite inputs), and the (row, dim) outputs whose row
+        # sees a non-finite V entry are set to NaN after it; "sees" is a dot of 0/1 indicators
+        # (counts <= BLOCK_N, exact in any dot). Only masked chunks pay for this.
+        v_bad = (v != v) | (tl.abs(v) == float("inf"))
+        v = tl.where(v_bad, 0.0, v)
+        if IS_BF16 and not UPCAST:
+            sees_bad = tl.dot(visible.to(tl.bfloat16), v_bad.to(tl.bfloat16)) > 0
+        else:
+            sees_bad = tl.dot(visible.to(tl.float32), v_bad.to(tl.float32), input_precision="ieee") > 0
     else:
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp2(m - m_new)
@@ -151,6 +166,8 @@ def _chunk(q, m, l, acc, n0, b, kvh, positions, seq_len, q_row_ok, ones, k_cache
     else:
         row_sum = tl.max(tl.dot(p, ones, input_precision="ieee"), axis=1)
         pv = tl.dot(p, v, input_precision="ieee")
+    if MASKED:
+        pv = tl.where(sees_bad, float("nan"), pv)
     l_new = l * alpha + row_sum
     acc_new = acc * alpha[:, None] + pv
     if MASKED:

@@ -9,6 +9,8 @@ Reduction structure (bf16-dense-v1: kv_chunk = 64, kv_split = 512):
       m'    = max(m, max_j s)                                  (exact)
       alpha = exp2(m - m')
       p     = exp2(s - m'), exact 0 where masked; p_r = round_act(p)
+      masked keys contribute nothing even when their K or V is NaN/Inf (selected, never
+      multiplied by 0); an output element whose query sees a non-finite V entry is NaN
       l     = fl(fl(l * alpha) + rowsum(p_r))                  (rowsum correctly rounded)
       acc   = fl(fl(acc * alpha) + p_r @ v)                    (each dot correctly rounded)
   splits are merged into the running (M, L, A) in ascending order:
@@ -106,7 +108,15 @@ def _online_softmax(s: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, s
             p = torch.where(valid, exp2_fp32(sc - m_new.unsqueeze(-1)), 0.0)
             p_r = p.to(dtype)
             row_sum = sum_fp32(p_r.double(), MANTISSA_BITS[dtype])
-            pv = matmul_fp32(p_r, v[:, c0:c1, :])
+            # [attention].mask: a masked key contributes nothing whatever its V holds. p_r is 0 there,
+            # but 0 * NaN (or Inf) is NaN inside p_r @ v, so non-finite V entries are selected to 0
+            # (exact: finite values pass unchanged) and the (query, dim) outputs whose query sees
+            # one are set to NaN by a select: only visible keys can make an output non-finite.
+            vc = v[:, c0:c1, :]
+            finite = torch.isfinite(vc)
+            pv = matmul_fp32(p_r, torch.where(finite, vc, 0.0))
+            sees_non_finite = torch.matmul(valid.double(), (~finite).double()) > 0    # (Hq, ql, D)
+            pv = torch.where(sees_non_finite, float("nan"), pv)
             l_new = l * alpha + row_sum
             acc_new = acc * alpha.unsqueeze(-1) + pv
             m = torch.where(visits, m_new, m)
