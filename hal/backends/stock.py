@@ -5,6 +5,11 @@ invariance test: F.linear picks its BLAS kernel and split by shape, SDPA tiles d
 prefill and decode, reductions change their tree with the row count. It computes the same
 mathematical function as the contract backends, with the usual rounding points of the stock
 implementations (vLLM / Hugging Face), so its outputs are close, never bitwise-guaranteed.
+
+Masked keys are not NaN-safe here (the contract's [attention].mask is not realised): SDPA with a
+boolean mask lets a NaN in a causally masked key's K or V reach the earlier queries of a prefill
+(measured with torch 2.13 on CPU, fp32 and bf16: every output of the earlier queries NaN), while a
+decode call (q_len 1, no mask) never reads a later key. Left as is: it is the stock baseline.
 """
 
 from __future__ import annotations
