@@ -9,7 +9,9 @@ Modules: ``recipe`` (schema, overrides, validation), ``task`` (toy verifiable ta
 ``runner`` (single/compare runs and the CLI subcommand). See docs/rl.md.
 """
 
+from hal.rl.grpo import CheckpointError, DivergedError
 from hal.rl.recipe import Recipe, RecipeError, load_recipe, recipe_from_dict, validate
 from hal.rl.runner import run_recipe
 
-__all__ = ["Recipe", "RecipeError", "load_recipe", "recipe_from_dict", "run_recipe", "validate"]
+__all__ = ["CheckpointError", "DivergedError", "Recipe", "RecipeError", "load_recipe", "recipe_from_dict",
+           "run_recipe", "validate"]
