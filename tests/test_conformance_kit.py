@@ -37,10 +37,25 @@ def statuses(data: dict, level: int) -> dict[str, str]:
     return {op: cells[str(level)]["status"] for op, cells in data["results"].items() if str(level) in cells}
 
 
+# Every op x level cell the kit fills for a backend that realises everything.
+EXPECTED_CELLS = {
+    1: {"attention", "linear", "log_softmax", "mean", "rms_norm", "rotary", "silu_mul", "sum", "token_logprobs",
+        "topk"},
+    3: {"attention", "decoder block"},
+    4: {"attention", "linear", "rms_norm", "rotary", "silu_mul", "token_logprobs"},
+    5: {"attention", "write_kv", "linear", "log_softmax", "mean", "rms_norm", "rotary", "silu_mul", "sum",
+        "token_logprobs", "topk"},
+    6: {"contract"},
+}
+EXPECTED_CELLS[2] = EXPECTED_CELLS[1]
+
+
 def test_kit_passes_on_reference_and_writes_both_reports(tmp_path):
     rc, data, stdout = run_kit("reference", tmp_path)
     assert rc == 0, stdout[-4000:]
-    assert data["summary"]["ok"] and data["summary"]["fail"] == 0
+    assert data["summary"]["ok"] and data["summary"]["fail"] == 0 and data["summary"]["complete"]
+    for level, ops in EXPECTED_CELLS.items():   # every expected cell ran and passed: a skip is not a pass
+        assert statuses(data, level) == {op: "pass" for op in ops}, level
     header = data["header"]
     assert header["backend"] == "reference" and header["contract"] == "bf16-dense-v1"
     assert re.fullmatch(r"[0-9a-f]{64}", header["contract_fingerprint"])
@@ -99,3 +114,128 @@ def test_without_a_backend_the_kit_stops_at_once_and_says_how_to_choose():
     assert out.returncode == 4
     text = out.stdout + out.stderr
     assert "needs a backend: pass --hal-backend NAME" in text and "reference  available" in text
+
+
+# A planted backend is a package on PYTHONPATH: a module and a .dist-info with its entry points (no pip).
+PLANTED = """
+import torch
+
+from hal.backends.reference import ReferenceBackend
+from hal.contract import load_contract
+from hal.errors import UnsupportedError
+
+
+class RefusesBigGemm(ReferenceBackend):
+    name = "planted-refuses-big-gemm"
+
+    def linear(self, x, weight, bias=None, *, out_dtype=None):
+        if x.reshape(-1, x.shape[-1]).shape[0] > 16:
+            raise UnsupportedError(f"{self.name}: linear with more than 16 rows is not implemented")
+        return super().linear(x, weight, bias, out_dtype=out_dtype)
+
+
+class DeclaresNoFp32Gemm(ReferenceBackend):
+    name = "planted-declares-no-fp32-gemm"
+    unsupported = (("linear", torch.float32),)
+
+    def linear(self, x, weight, bias=None, *, out_dtype=None):
+        if x.dtype == torch.float32:
+            raise UnsupportedError(f"{self.name}: fp32 linear is not implemented")
+        return super().linear(x, weight, bias, out_dtype=out_dtype)
+
+
+class HardCodesItsNumbers(ReferenceBackend):
+    name = "planted-hard-coded"
+
+    def __init__(self, contract, device=None):
+        # Claims any variant's fingerprint but computes with the shipped contract's numbers.
+        super().__init__(load_contract("bf16-dense-v1"), device)
+        self.claimed = contract
+
+    @property
+    def fingerprint(self):
+        return self.claimed.fingerprint
+"""
+
+
+@pytest.fixture(scope="module")
+def planted_path(tmp_path_factory) -> Path:
+    target = tmp_path_factory.mktemp("planted")
+    (target / "hal_planted.py").write_text(PLANTED)
+    info = target / "hal_planted-0.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: hal-planted\nVersion: 0.0\n")
+    (info / "entry_points.txt").write_text(
+        "[hal.backends]\nplanted-refuses-big-gemm = hal_planted:RefusesBigGemm\n"
+        "planted-declares-no-fp32-gemm = hal_planted:DeclaresNoFp32Gemm\n"
+        "planted-hard-coded = hal_planted:HardCodesItsNumbers\n")
+    return target
+
+
+def test_a_backend_refusing_big_gemms_does_not_conform(tmp_path, planted_path):
+    report = tmp_path / "r.json"
+    out = hal_cli("conformance", "--backend", "planted-refuses-big-gemm", "--op", "linear", "--level", "1,2",
+                  "--json", str(report), pythonpath=planted_path)
+    data = json.loads(report.read_text())
+    assert out.returncode == 1 and not data["summary"]["ok"], out.stdout[-3000:]
+    assert statuses(data, 2) == {"linear": "fail"}
+    assert "refused" in data["results"]["linear"]["2"]["failures"][0]["message"]
+    assert "DOES NOT CONFORM" in report.with_suffix(".md").read_text()
+
+
+def test_a_declared_missing_dtype_is_not_tested_and_still_conforms(tmp_path, planted_path):
+    report = tmp_path / "r.json"
+    out = hal_cli("conformance", "--backend", "planted-declares-no-fp32-gemm", "--op", "linear", "--level", "1",
+                  "--json", str(report), pythonpath=planted_path)
+    data = json.loads(report.read_text())
+    assert out.returncode == 0 and data["summary"]["ok"], out.stdout[-3000:]
+    assert data["header"]["declared_unsupported"] == ["linear float32"]
+
+
+def test_level_6_catches_a_backend_that_hard_codes_the_contracts_numbers(tmp_path, planted_path):
+    report = tmp_path / "r.json"
+    out = hal_cli("conformance", "--backend", "planted-hard-coded", "--level", "6", "--json", str(report),
+                  pythonpath=planted_path)
+    data = json.loads(report.read_text())
+    assert out.returncode == 1
+    failed = {f["test"].rsplit("[", 1)[-1].rstrip("]") for f in data["results"]["contract"]["6"]["failures"]}
+    assert failed == {"gemm.k_chunk", "attention.kv_chunk", "attention.kv_split", "rms_norm.row_block",
+                      "logprobs.vocab_chunk", "reduce.row_block"}
+
+
+def test_shards_merge_into_the_whole_and_resume_appends(tmp_path):
+    select = ["--backend", "reference", "--level", "6"]   # seven fast tests in one cell
+    for i in (1, 2):
+        assert hal_cli("conformance", *select, "--shard", f"{i}/2", "--json", str(tmp_path / f"s{i}.json")).returncode == 0
+    s1, s2 = (json.loads((tmp_path / f"s{i}.json").read_text()) for i in (1, 2))
+    assert not s1["summary"]["complete"] and "INCOMPLETE" in (tmp_path / "s1.md").read_text()
+    assert set(s1["tests"]).isdisjoint(s2["tests"]) and s1["tests"] and s2["tests"]
+    out = hal_cli("conformance", "merge", str(tmp_path / "s1.json"), str(tmp_path / "s2.json"),
+                  "-o", str(tmp_path / "full.json"))
+    full = json.loads((tmp_path / "full.json").read_text())
+    assert out.returncode == 0 and full["summary"]["ok"] and full["summary"]["complete"], out.stdout + out.stderr
+    assert len(full["tests"]) == full["header"]["selection"]["tests"] == len(s1["tests"]) + len(s2["tests"])
+    # The cell is in both shards: its counts add up.
+    assert full["results"]["contract"]["6"]["passed"] == \
+        s1["results"]["contract"]["6"]["passed"] + s2["results"]["contract"]["6"]["passed"] == 7
+    # Merging a report with itself, or with another backend's report, is refused with one line.
+    other = dict(s2, header=dict(s2["header"], backend="torch"))
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    for pair in (("s1.json", "s1.json"), ("s1.json", "other.json")):
+        out = hal_cli("conformance", "merge", *(str(tmp_path / p) for p in pair), "-o", str(tmp_path / "x.json"))
+        assert out.returncode == 2 and "hal: error: " in out.stderr, out.stderr
+    # Resume: the first shard's report gets the remaining tests appended.
+    out = hal_cli("conformance", *select, "--resume", str(tmp_path / "s1.json"))
+    resumed = json.loads((tmp_path / "s1.json").read_text())
+    assert out.returncode == 0 and resumed["summary"]["complete"] and resumed["summary"]["ok"]
+    assert set(resumed["tests"]) == set(full["tests"])
+    assert f"{len(s2['tests'])} passed" in out.stdout
+
+
+def test_an_unknown_backend_is_one_clear_line():
+    out = hal_cli("conformance", "--backend", "nonexistent")
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.strip().splitlines() == [
+        "hal: error: backend 'nonexistent' is not installed; installed backends: " + out.stderr.split(
+            "installed backends: ")[1].strip()]
+    assert "reference" in out.stderr

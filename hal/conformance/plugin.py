@@ -61,6 +61,12 @@ def _kit_items(items):
     return [item for item in items if item.get_closest_marker("hal") is not None]
 
 
+def kit_id(item) -> str:
+    """A test's id that does not depend on pytest's rootdir (which moves with the paths on the command line):
+    the kit module's file name and the test's name with its parameters."""
+    return f"{item.path.name}::{item.name}"
+
+
 def _item_op(item) -> str:
     """The report row of a kit test: the marker's op, else its ``op`` parameter, else its name."""
     params = getattr(item, "callspec", None)
@@ -129,7 +135,7 @@ def pytest_collection_modifyitems(session, config, items):
                     returncode=4)
     config._hal_backend = _create_backend(config)
     chosen, config._hal_selection = _selection(config, kit)
-    chosen.sort(key=lambda item: item.nodeid)
+    chosen.sort(key=kit_id)
     shard = _shard(config)
     if shard:
         index, count = shard
@@ -138,7 +144,7 @@ def pytest_collection_modifyitems(session, config, items):
     if resume and os.path.exists(resume):
         config._hal_previous = report_mod.load(resume)
         done = set(config._hal_previous.get("tests", {}))
-        chosen = [item for item in chosen if item.nodeid not in done]
+        chosen = [item for item in chosen if kit_id(item) not in done]
     keep = set(id(item) for item in chosen)
     deselected = [item for item in kit if id(item) not in keep]
     if deselected:
@@ -167,7 +173,7 @@ def pytest_runtest_makereport(item, call):
         return
     rep = outcome.get_result()
     if rep.when == "call" or (rep.when == "setup" and rep.outcome != "passed"):
-        item.config._hal_results.add(_item_op(item), marker.kwargs["level"], rep, item.nodeid)
+        item.config._hal_results.add(_item_op(item), marker.kwargs["level"], rep, kit_id(item))
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -182,6 +182,8 @@ def header(backend, depth: str) -> dict:
             "device_name": torch.cuda.get_device_name() if backend.device.type == "cuda" else platform.processor(),
             "contract": backend.contract.name if backend.contract else None,
             "contract_fingerprint": backend.fingerprint,
+            "declared_unsupported": sorted(f"{op} {str(dtype).replace('torch.', '')}"
+                                           for op, dtype in getattr(backend, "unsupported", ())),
         })
     return info
 
