@@ -13,6 +13,7 @@ K reduced dim, N output features, V vocabulary, P page size.
 from __future__ import annotations
 
 import abc
+import functools
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -119,7 +120,19 @@ class Backend(abc.ABC):
         if dtype not in self.dtypes:
             raise UnsupportedError(f"{self.name}.{op}: dtype {dtype} is not realised; supported: "
                                    f"{[str(d) for d in self.dtypes]}")
+        covered = self.contract.header.activation_dtypes if self.contract is not None else None
+        if covered is not None and str(dtype).removeprefix("torch.") not in covered:
+            raise UnsupportedError(f"{self.name}.{op}: dtype {dtype} is not covered by contract {self.contract}, "
+                                   f"whose [contract].activation_dtypes = {list(covered)}; use one of those or a "
+                                   f"contract that covers {dtype}")
         return dtype
+
+    def check_not_meta(self, op: str, *tensors: torch.Tensor | None) -> None:
+        """Meta tensors have no values: no op can compute (or check) anything on them."""
+        for t in tensors:
+            if t is not None and t.is_meta:
+                raise UnsupportedError(f"{self.name}.{op}: got a meta tensor {tuple(t.shape)} {t.dtype}, which "
+                                       f"holds no values; pass tensors on {self.device}")
 
     def check_devices(self, op: str, *tensors: torch.Tensor | None) -> None:
         """Raise unless every given tensor lives on this backend's device type."""
@@ -145,24 +158,93 @@ class Backend(abc.ABC):
     def check_rotary(self, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.dtype:
         dtype = self.check_dtype("rotary", q, k)
         rot = cos_sin_cache.shape[-1]
-        if cos_sin_cache.dtype != torch.float32 or rot % 2 or rot > q.shape[-1]:
+        if cos_sin_cache.dtype != torch.float32 or cos_sin_cache.dim() != 2 or rot % 2 or rot > q.shape[-1]:
             raise UnsupportedError(f"{self.name}.rotary: cos_sin_cache must be fp32 (max_pos, R) with even R <= head "
                                    f"dim, got {cos_sin_cache.dtype} {tuple(cos_sin_cache.shape)}")
         return dtype
+
+    def check_rms_norm(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> torch.dtype:
+        dtype = self.check_dtype("rms_norm", *([x, weight] if residual is None else [x, weight, residual]))
+        if weight.shape != (x.shape[-1],):
+            raise UnsupportedError(f"{self.name}.rms_norm: weight must be ({x.shape[-1]},) for x {tuple(x.shape)}, "
+                                   f"got {tuple(weight.shape)}")
+        if residual is not None and residual.shape != x.shape:
+            raise UnsupportedError(f"{self.name}.rms_norm: residual must have x's shape {tuple(x.shape)}, got "
+                                   f"{tuple(residual.shape)}")
+        return dtype
+
+    def check_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        meta: AttentionMetadata) -> None:
+        """Shapes, then the metadata's values: every sequence's keys fit in the pages its block-table
+        row names and its queries in its context. A kernel reads past a short block-table row without
+        noticing (the next row's page ids), so this is refused here."""
+        self.check_dtype("attention", q, k_cache, v_cache)
+        if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+            raise UnsupportedError(f"{self.name}.attention: expected q (T, Hq, D) and k_cache, v_cache of one shape "
+                                   f"(pages, P, Hkv, D); got q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, "
+                                   f"v_cache {tuple(v_cache.shape)}")
+        if k_cache.shape[3] != q.shape[2] or q.shape[1] % k_cache.shape[2]:
+            raise UnsupportedError(f"{self.name}.attention: head dim {q.shape[2]} vs cache {k_cache.shape[3]}, or "
+                                   f"{q.shape[1]} query heads not a multiple of {k_cache.shape[2]} KV heads")
+        num_seqs = meta.seq_lens.shape[0]
+        if (meta.query_start_loc.shape != (num_seqs + 1,) or meta.block_table.dim() != 2
+                or meta.block_table.shape[0] != num_seqs):
+            raise UnsupportedError(f"{self.name}.attention: metadata for {num_seqs} sequences needs query_start_loc "
+                                   f"({num_seqs + 1},) and block_table ({num_seqs}, pages); got "
+                                   f"{tuple(meta.query_start_loc.shape)} and {tuple(meta.block_table.shape)}")
+        if _capturing(q):
+            return
+        page, width = k_cache.shape[1], meta.block_table.shape[1]
+        seq_lens = meta.seq_lens.long()
+        q_lens = meta.query_start_loc[1:].long() - meta.query_start_loc[:-1].long()
+        bad = (-(-seq_lens // page) > width) | (q_lens < 0) | (q_lens > seq_lens)
+        if num_seqs and bool(bad.any()):  # one host synchronisation (skipped while a CUDA graph is captured)
+            b = int(bad.nonzero()[0, 0])
+            raise UnsupportedError(
+                f"{self.name}.attention: sequence {b} has seq_len {int(seq_lens[b])} and {int(q_lens[b])} queries, "
+                f"but its block-table row holds {width} pages of {page} keys ({width * page} keys) and a sequence "
+                f"needs 0 <= queries <= seq_len: give the block table at least ceil(seq_len / page_size) pages per "
+                f"sequence")
+
+    def check_positions(self, positions: torch.Tensor, tokens: int, max_position: int) -> None:
+        """Rotary positions: one per token, each in 0..max_position-1 (the cos/sin table's rows)."""
+        if positions.shape != (tokens,):
+            raise UnsupportedError(f"{self.name}.rotary: positions must be ({tokens},), one per token of q and k, got "
+                                   f"{tuple(positions.shape)}")
+        if tokens and not _capturing(positions):
+            low, high = int(positions.min()), int(positions.max())  # one host synchronisation
+            if low < 0 or high >= max_position:
+                raise UnsupportedError(f"{self.name}.rotary: positions must be in 0..{max_position - 1} (the "
+                                       f"cos_sin_cache rows), got {low}..{high}; build a longer table with "
+                                       f"hal.rope.cos_sin_cache if the sequence is longer")
 
     def check_topk(self, x: torch.Tensor, k: int) -> None:
         if not 0 < k <= x.shape[-1]:
             raise UnsupportedError(f"{self.name}.topk: k must be in 1..{x.shape[-1]}, got {k}")
 
-    def check_logits(self, logits: torch.Tensor, temperature: float) -> None:
+    def check_logits(self, logits: torch.Tensor, temperature: float, op: str = "log_softmax") -> None:
         if logits.dim() != 2:
-            raise UnsupportedError(f"{self.name}.log_softmax: logits must be (M, V), got {tuple(logits.shape)}")
+            raise UnsupportedError(f"{self.name}.{op}: logits must be (M, V), got {tuple(logits.shape)}")
         if not temperature > 0:
-            raise UnsupportedError(f"{self.name}.log_softmax: temperature must be > 0, got {temperature}")
+            raise UnsupportedError(f"{self.name}.{op}: temperature must be > 0, got {temperature}")
+
+    def check_token_ids(self, logits: torch.Tensor, token_ids: torch.Tensor) -> None:
+        if token_ids.shape != (logits.shape[0],):
+            raise UnsupportedError(f"{self.name}.token_logprobs: token_ids must be ({logits.shape[0]},), one per "
+                                   f"logits row, got {tuple(token_ids.shape)} for logits {tuple(logits.shape)}")
 
     def __repr__(self) -> str:
         bound = str(self.contract) if self.contract is not None else "no contract"
         return f"<{type(self).__name__} {self.name!r} on {self.device} realising {bound}>"
+
+    def __init_subclass__(cls, **kwargs):
+        """Every op a subclass defines runs the shared input checks first (``_INPUT_CHECKS``): one
+        place, so no backend can forget one, and an empty batch never reaches a kernel."""
+        super().__init_subclass__(**kwargs)
+        for op, check in _INPUT_CHECKS.items():
+            impl = cls.__dict__.get(op)
+            if impl is not None and not getattr(impl, "_hal_checked", False):
+                setattr(cls, op, _checked(impl, check))
 
     # -- ops ------------------------------------------------------------------------------------
 
@@ -245,3 +327,131 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def topk(self, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The k largest along the last dim: (values, int64 indices), value-descending, ties to the lower index."""
+
+
+# -- the shared input checks, run before every op of every backend ---------------------------------
+# Each takes the op's arguments and returns None (go on to the backend) or the op's result for an
+# empty batch (0 rows: returned as torch does, without launching anything).
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    """Reading a value needs a host synchronisation, which a CUDA graph capture forbids: the value
+    checks are skipped while one is captured (the engine checked the same metadata eagerly before)."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _rows(x: torch.Tensor) -> int:
+    """Rows of a (..., N) tensor: the product of the leading dims."""
+    return x.shape[:-1].numel()
+
+
+_NOTHING = object()  # write_kv with no tokens: nothing to store, return None
+
+
+def _linear_input(self, x, weight, bias=None, *, out_dtype=None):
+    self.check_not_meta("linear", x, weight, bias)
+    out_dtype = self.check_linear(x, weight, bias, out_dtype)
+    if x.dim() and _rows(x) == 0:
+        return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=out_dtype)
+    return None
+
+
+def _attention_input(self, q, k_cache, v_cache, meta, *, scale):
+    self.check_not_meta("attention", q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_table)
+    self.check_attention(q, k_cache, v_cache, meta)
+    return torch.empty_like(q) if q.shape[0] == 0 else None
+
+
+def _write_kv_input(self, k, v, k_cache, v_cache, slot_mapping):
+    self.check_not_meta("write_kv", k, v, k_cache, v_cache, slot_mapping)
+    self.check_dtype("write_kv", k, v, k_cache, v_cache)
+    if slot_mapping.shape != (k.shape[0],) or v.shape != k.shape:
+        raise UnsupportedError(f"{self.name}.write_kv: k and v must be one shape (T, Hkv, D) with one slot per "
+                               f"token; got k {tuple(k.shape)}, v {tuple(v.shape)}, slots {tuple(slot_mapping.shape)}")
+    return _NOTHING if k.shape[0] == 0 else None
+
+
+def _rms_norm_input(self, x, weight, eps, residual=None):
+    self.check_not_meta("rms_norm", x, weight, residual)
+    self.check_rms_norm(x, weight, residual)
+    if _rows(x) == 0:
+        return torch.empty_like(x) if residual is None else (torch.empty_like(x), torch.empty_like(x))
+    return None
+
+
+def _silu_mul_input(self, gate_up):
+    self.check_not_meta("silu_mul", gate_up)
+    self.check_dtype("silu_mul", gate_up)
+    if gate_up.dim() == 0 or gate_up.shape[-1] % 2:
+        raise UnsupportedError(f"{self.name}.silu_mul: the last dim must be even ([gate | up]), got "
+                               f"{tuple(gate_up.shape)}")
+    if _rows(gate_up) == 0:
+        return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
+    return None
+
+
+def _rotary_input(self, positions, q, k, cos_sin_cache):
+    self.check_not_meta("rotary", positions, q, k, cos_sin_cache)
+    self.check_rotary(q, k, cos_sin_cache)
+    if q.dim() != 3 or k.dim() != 3 or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
+        raise UnsupportedError(f"{self.name}.rotary: q must be (T, Hq, D) and k (T, Hkv, D), got q "
+                               f"{tuple(q.shape)}, k {tuple(k.shape)}")
+    self.check_positions(positions, q.shape[0], cos_sin_cache.shape[0])
+    return (torch.empty_like(q), torch.empty_like(k)) if q.shape[0] == 0 else None
+
+
+def _log_softmax_input(self, logits, temperature=1.0):
+    self.check_not_meta("log_softmax", logits)
+    self.check_logits(logits, temperature)
+    return logits.new_empty(logits.shape, dtype=torch.float32) if logits.shape[0] == 0 else None
+
+
+def _token_logprobs_input(self, logits, token_ids, temperature=1.0):
+    self.check_not_meta("token_logprobs", logits, token_ids)
+    self.check_logits(logits, temperature, "token_logprobs")
+    self.check_token_ids(logits, token_ids)
+    return logits.new_empty((0,), dtype=torch.float32) if logits.shape[0] == 0 else None
+
+
+def _reduce_input(op):
+    def check(self, x, dim=-1):
+        self.check_not_meta(op, x)
+        if x.dim() == 0:
+            raise UnsupportedError(f"{self.name}.{op}: x must have at least one dim, got a scalar")
+        if x.numel() == 0 and x.shape[dim] != 0:  # no rows (an empty reduced dim goes to the backend)
+            return x.new_empty(x.movedim(dim, -1).shape[:-1], dtype=torch.float32)
+        return None
+    return check
+
+
+def _topk_input(self, x, k):
+    self.check_not_meta("topk", x)
+    if x.dim() == 0:
+        raise UnsupportedError(f"{self.name}.topk: x must have at least one dim, got a scalar")
+    self.check_topk(x, k)
+    if _rows(x) == 0:
+        return x.new_empty((*x.shape[:-1], k)), x.new_empty((*x.shape[:-1], k), dtype=torch.int64)
+    return None
+
+
+_INPUT_CHECKS = {
+    "linear": _linear_input, "attention": _attention_input, "write_kv": _write_kv_input,
+    "rms_norm": _rms_norm_input, "silu_mul": _silu_mul_input, "rotary": _rotary_input,
+    "log_softmax": _log_softmax_input, "token_logprobs": _token_logprobs_input,
+    "sum": _reduce_input("sum"), "mean": _reduce_input("mean"), "topk": _topk_input,
+}
+
+
+def _checked(impl, check):
+    @functools.wraps(impl)
+    def op(self, *args, **kwargs):
+        empty = check(self, *args, **kwargs)
+        if empty is None:
+            return impl(self, *args, **kwargs)
+        return None if empty is _NOTHING else empty
+
+    op._hal_checked = True
+    return op
+
+
+Backend.write_kv = _checked(Backend.write_kv, _write_kv_input)

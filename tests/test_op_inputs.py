@@ -14,7 +14,6 @@ tests/conftest.py) and the stock ``torch`` baseline where a check applies to it.
 
 from __future__ import annotations
 
-import math
 import os
 
 import pytest
@@ -144,3 +143,130 @@ def test_negative_control_masking_by_multiplying_by_zero_leaks_nan():
     v[6] = float("nan")                                        # visible only to queries 6 and 7
     planted = _attention_masking_by_multiplying(q, k, v, 0.25)
     assert torch.isnan(planted[:6]).all()                      # 0 * NaN = NaN reached the earlier queries
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input is refused clearly; an empty batch gives the empty result.
+# ---------------------------------------------------------------------------------------------
+
+def _op_calls(rows: int, device="cpu", dtype=torch.bfloat16):
+    """(op name, arguments) of every Backend op with ``rows`` rows, small valid shapes otherwise."""
+    from hal.kvcache import build_metadata
+    from hal.rope import cos_sin_cache
+
+    def t(*shape, dt=dtype):
+        return torch.ones(*shape, dtype=dt, device=device)
+
+    page, hkv, hq = 16, 1, 2
+    k_cache, v_cache = t(2, page, hkv, HEAD_DIM), t(2, page, hkv, HEAD_DIM)
+    meta = build_metadata([rows], [max(rows, 1)], [[0]], device=device)
+    return [
+        ("linear", (t(rows, 32), t(8, 32)), {}),
+        ("attention", (t(rows, hq, HEAD_DIM), k_cache, v_cache, meta), {"scale": 0.125}),
+        ("write_kv", (t(rows, hkv, HEAD_DIM), t(rows, hkv, HEAD_DIM), k_cache.clone(), v_cache.clone(),
+                      torch.arange(rows, device=device)), {}),
+        ("rms_norm", (t(rows, 32), t(32), 1e-6), {}),
+        ("silu_mul", (t(rows, 32),), {}),
+        ("rotary", (torch.arange(rows, device=device), t(rows, hq, HEAD_DIM), t(rows, hkv, HEAD_DIM),
+                    cos_sin_cache(HEAD_DIM, 8, device=device)), {}),
+        ("log_softmax", (t(rows, 40, dt=torch.float32),), {}),
+        ("token_logprobs", (t(rows, 40, dt=torch.float32), torch.zeros(rows, dtype=torch.long, device=device)), {}),
+        ("sum", (t(rows, 40),), {}),
+        ("mean", (t(rows, 40),), {}),
+        ("topk", (t(rows, 40), 3), {}),
+    ]
+
+
+def _shapes(result):
+    if result is None:
+        return None
+    if isinstance(result, tuple):
+        return tuple(_shapes(r) for r in result)
+    return (tuple(result.shape), result.dtype)
+
+
+@pytest.mark.parametrize("op", [c[0] for c in _op_calls(1)])
+def test_an_empty_batch_gives_the_empty_result(any_backend, op):
+    (name, args, kwargs), = [c for c in _op_calls(0) if c[0] == op]
+    result = getattr(any_backend, name)(*args, **kwargs)
+    full = getattr(any_backend, name)(*[c for c in _op_calls(2) if c[0] == op][0][1], **kwargs)
+    if name == "write_kv":
+        assert result is None
+        return
+    # The shape of the 2-row result with 0 rows, in its dtype (as torch gives it).
+    expect = _shapes(full)
+    expect = tuple((tuple([0] + list(s[0][1:])), s[1]) for s in expect) if isinstance(full, tuple) else \
+        ((0, *expect[0][1:]), expect[1])
+    assert _shapes(result) == expect
+
+
+@pytest.mark.parametrize("op", [c[0] for c in _op_calls(1)])
+def test_meta_tensors_are_refused_naming_the_op(any_backend, op):
+    (name, args, kwargs), = [c for c in _op_calls(2, device="meta") if c[0] == op]
+    with pytest.raises(UnsupportedError, match=rf"\.{name}: got a meta tensor"):
+        getattr(any_backend, name)(*args, **kwargs)
+
+
+def test_token_logprobs_refuses_a_row_count_mismatch(any_backend):
+    logits = torch.randn(4, 40)
+    for ids in (torch.zeros(3, dtype=torch.long), torch.zeros(5, dtype=torch.long), torch.zeros(4, 1, dtype=torch.long)):
+        with pytest.raises(UnsupportedError, match=r"token_logprobs: token_ids must be \(4,\)"):
+            any_backend.token_logprobs(logits, ids)
+
+
+def test_rms_norm_refuses_a_weight_of_the_wrong_length(any_backend):
+    x = torch.randn(3, 32, dtype=torch.bfloat16)
+    for weight in (torch.ones(31, dtype=torch.bfloat16), torch.ones(64, dtype=torch.bfloat16),
+                   torch.ones(1, 32, dtype=torch.bfloat16)):
+        with pytest.raises(UnsupportedError, match=r"rms_norm: weight must be \(32,\)"):
+            any_backend.rms_norm(x, weight, 1e-6)
+    with pytest.raises(UnsupportedError, match=r"rms_norm: residual must"):
+        any_backend.rms_norm(x, torch.ones(32, dtype=torch.bfloat16), 1e-6, torch.ones(3, 16, dtype=torch.bfloat16))
+
+
+def test_rotary_refuses_positions_outside_the_table(any_backend):
+    from hal.rope import cos_sin_cache
+
+    q = torch.randn(3, 2, HEAD_DIM, dtype=torch.bfloat16)
+    k = torch.randn(3, 1, HEAD_DIM, dtype=torch.bfloat16)
+    table = cos_sin_cache(HEAD_DIM, 8)
+    for positions in (torch.tensor([0, -1, 2]), torch.tensor([0, 1, 8])):
+        with pytest.raises(UnsupportedError, match=r"rotary: positions must be in 0\.\.7"):
+            any_backend.rotary(positions, q, k, table)
+    with pytest.raises(UnsupportedError, match=r"rotary: positions must be \(3,\)"):
+        any_backend.rotary(torch.tensor([0, 1]), q, k, table)
+
+
+def test_attention_refuses_a_block_table_shorter_than_seq_len(any_backend):
+    """seq_len 40 with pages of 16 needs 3 pages; a block-table row of 2 would let a kernel read the
+    next sequence's page ids (or past the table)."""
+    from hal.kvcache import build_metadata
+
+    q = torch.randn(1, 2, HEAD_DIM, dtype=torch.bfloat16)
+    cache = torch.zeros(4, 16, 1, HEAD_DIM, dtype=torch.bfloat16)
+    for meta in (build_metadata([1], [40], [[0, 1]]), build_metadata([1, 1], [40, 3], [[0, 1], [2]])):
+        with pytest.raises(UnsupportedError, match=r"attention: sequence 0 has seq_len 40 .* holds 2 pages"):
+            any_backend.attention(q.repeat(meta.num_seqs, 1, 1), cache, cache, meta, scale=0.125)
+    with pytest.raises(UnsupportedError, match=r"attention: sequence 0 has seq_len 1 and 2 queries"):
+        any_backend.attention(q.repeat(2, 1, 1), cache, cache, build_metadata([2], [1], [[0]]), scale=0.125)
+
+
+def test_a_contract_without_a_dtype_refuses_ops_in_it(contract_backend):
+    """A contract whose [contract].activation_dtypes leaves out float32 binds a backend that realises
+    float32 in general: its ops refuse fp32 input (and still take bf16)."""
+    from pathlib import Path
+
+    from hal.contract import parse_contract
+
+    shipped = Path(__file__).parent.parent / "contracts" / "bf16-dense-v1.toml"
+    text = shipped.read_text().replace('activation_dtypes = ["bfloat16", "float32"]',
+                                               'activation_dtypes = ["bfloat16"]')
+    bf16_only = parse_contract(text, "bf16-only")
+    assert bf16_only.header.activation_dtypes == ["bfloat16"]
+    backend = type(contract_backend)(bf16_only, contract_backend.device)
+    x, w = torch.randn(2, 32), torch.randn(8, 32)
+    with pytest.raises(UnsupportedError, match=r"linear: dtype torch.float32 is not covered by contract"):
+        backend.linear(x, w)
+    with pytest.raises(UnsupportedError, match=r"rms_norm: dtype torch.float32 is not covered"):
+        backend.rms_norm(x, torch.ones(32), 1e-6)
+    assert backend.linear(x.bfloat16(), w.bfloat16()).dtype == torch.bfloat16
