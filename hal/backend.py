@@ -198,7 +198,10 @@ class Backend(abc.ABC):
         seq_lens = meta.seq_lens.long()
         q_lens = meta.query_start_loc[1:].long() - meta.query_start_loc[:-1].long()
         bad = (-(-seq_lens // page) > width) | (q_lens < 0) | (q_lens > seq_lens)
-        if num_seqs and bool(bad.any()):  # one host synchronisation (skipped while a CUDA graph is captured)
+        if num_seqs and bool(bad.any() | (meta.query_start_loc[-1] > q.shape[0])):  # one host synchronisation
+            if int(meta.query_start_loc[-1]) > q.shape[0]:
+                raise UnsupportedError(f"{self.name}.attention: query_start_loc ends at "
+                                       f"{int(meta.query_start_loc[-1])} but q has {q.shape[0]} tokens")
             b = int(bad.nonzero()[0, 0])
             raise UnsupportedError(
                 f"{self.name}.attention: sequence {b} has seq_len {int(seq_lens[b])} and {int(q_lens[b])} queries, "

@@ -245,3 +245,40 @@ def test_gpu_gemm_launch_shapes_fit_hopper_and_the_contract(monkeypatch):
     assert seen == 10 * 5 * 2 * 2
     bad = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=96, tma=True, num_stages=5)
     assert len(_launch_problems(bad, 512, tma_allowed=False)) == 4
+
+
+def test_masked_nan_keys_contribute_nothing_on_every_launch_path(cuda):
+    """[attention].mask through the split paths: 20 query tokens at positions 180..199 of 200 keys
+    (chunks of 64, splits of 128, pages of 48: the last page part-filled, one spare page). NaN/Inf
+    in V of key 190 and in the slots past seq_len: queries before 190 keep the clean bits on the
+    in-kernel split walk and on parallel splits + merge, unmasked (below-diagonal) chunks included."""
+    from hal.backends.cuda import attention
+    from hal.conformance.checks import random_tensor
+    from hal.kvcache import build_metadata
+
+    g = torch.Generator().manual_seed(11)
+    page, seq_len, q_len, bad = 48, 200, 20, 190
+    pages = [4, 1, 3, 0, 2]                                        # 5 pages of 48: 40 slots past seq_len
+    k_cache = random_tensor((6, page, 1, 64), torch.bfloat16, g)
+    v_cache = random_tensor((6, page, 1, 64), torch.bfloat16, g)
+    q = random_tensor((q_len, 2, 64), torch.bfloat16, g)
+    meta = build_metadata([q_len], [seq_len], [pages + [5]])       # page 5: in the table, never written
+    launches = [dict(split_parallel=False, block_q=8), dict(split_parallel=True, block_q=8),
+                dict(split_parallel=True, block_q=4, splits_per_program=2)]
+
+    def run(k, v, launch):
+        return attention.paged_attention(q, k, v, meta.query_start_loc, meta.seq_lens, meta.block_table,
+                                         64 ** -0.5, 64, 128, **launch)
+
+    clean = run(k_cache, v_cache, launches[0])
+    k, v = k_cache.clone(), v_cache.clone()
+    v[pages[bad // page], bad % page, 0, :7] = float("nan")
+    v[pages[bad // page], bad % page, 0, 7:] = float("inf")
+    last = pages[(seq_len - 1) // page]
+    k[last, seq_len % page:], v[last, seq_len % page:] = float("nan"), float("-inf")
+    k[5], v[5] = float("inf"), float("nan")
+    first_seeing = bad - (seq_len - q_len)
+    for launch in launches:
+        planted = run(k, v, launch)
+        assert torch.equal(planted[:first_seeing], clean[:first_seeing]), launch
+        assert not torch.isfinite(planted[first_seeing:].float()).any()
