@@ -414,3 +414,34 @@ def test_engine_process_with_another_kernel_environment_refuses(vllm_config_cont
     monkeypatch.setenv("TRITON_INTERPRET", "1")                              # the engine process differs
     with pytest.raises(ContractMismatchError, match="kernel environment"):
         config.backend()
+
+
+# -- long context: chunked prefill and decode across kv_split, diff = 0 ---------------------------
+
+def test_long_context_across_kv_split_diff_zero(engines):
+    """hidden 576 / intermediate 640 (> k_chunk 512: split GEMM reductions), vocab 4224, one layer; a
+    496-token prompt decoded past 512 tokens of context (the contract's kv_split) next to a second
+    prompt that does not fit the step budget with it (chunked prefill); sampled and prompt logprobs equal
+    the trainer's bit for bit."""
+    engines.close()
+    config = tiny_config("llama", "float32", hidden_size=576, intermediate_size=640, vocab_size=4224,
+                         num_layers=1, num_heads=9, num_kv_heads=3, head_dim=64, max_position=1024)
+    model = DecoderLM.random(config, seed=3, backend=create_backend("reference"))
+    path = save_pretrained(model, WORKSPACE / "llama-long")
+    engine = VllmEngine(path, binding=resolve_binding({"backend": "reference"}), dtype="float32",
+                        max_model_len=600, max_num_seqs=2)
+    try:
+        requests = [Request(prompt=tuple((13 * j + 7) % 4224 for j in range(496)), max_new_tokens=20, seed=5),
+                    Request(prompt=tuple((29 * j + 1) % 4224 for j in range(120)), max_new_tokens=2, seed=6)]
+        budget = engine.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+        assert 496 + 120 > budget and 496 + 20 > 512          # a chunk split, and decode across kv_split
+        completions = engine.generate(requests, prompt_logprobs=True)
+    finally:
+        engine.close()
+    with torch.no_grad():                                    # one training forward gives both kinds
+        full = model.sequence_logprobs([c.sequence for c in completions])
+    prompt = [f[:len(c.prompt) - 1] for f, c in zip(full, completions)]
+    sampled = [f[len(c.prompt) - 1:] for f, c in zip(full, completions)]
+    assert mismatches([c.logprobs for c in completions], sampled) == (0, 22)
+    assert mismatches([c.prompt_logprobs for c in completions], prompt) == (0, 495 + 119)
+    assert len(set(completions[0].tokens)) > 5
