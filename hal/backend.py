@@ -192,7 +192,7 @@ class Backend(abc.ABC):
             raise UnsupportedError(f"{self.name}.attention: metadata for {num_seqs} sequences needs query_start_loc "
                                    f"({num_seqs + 1},) and block_table ({num_seqs}, pages); got "
                                    f"{tuple(meta.query_start_loc.shape)} and {tuple(meta.block_table.shape)}")
-        if _capturing(q):
+        if _values_checked(meta):
             return
         page, width = k_cache.shape[1], meta.block_table.shape[1]
         seq_lens = meta.seq_lens.long()
@@ -208,18 +208,20 @@ class Backend(abc.ABC):
                 f"but its block-table row holds {width} pages of {page} keys ({width * page} keys) and a sequence "
                 f"needs 0 <= queries <= seq_len: give the block table at least ceil(seq_len / page_size) pages per "
                 f"sequence")
+        _mark_values_checked(meta)
 
     def check_positions(self, positions: torch.Tensor, tokens: int, max_position: int) -> None:
         """Rotary positions: one per token, each in 0..max_position-1 (the cos/sin table's rows)."""
         if positions.shape != (tokens,):
             raise UnsupportedError(f"{self.name}.rotary: positions must be ({tokens},), one per token of q and k, got "
                                    f"{tuple(positions.shape)}")
-        if tokens and not _capturing(positions):
-            low, high = int(positions.min()), int(positions.max())  # one host synchronisation
+        if tokens and not _values_checked(positions):
+            low, high = torch.stack(torch.aminmax(positions)).tolist()  # one host synchronisation
             if low < 0 or high >= max_position:
                 raise UnsupportedError(f"{self.name}.rotary: positions must be in 0..{max_position - 1} (the "
                                        f"cos_sin_cache rows), got {low}..{high}; build a longer table with "
                                        f"hal.rope.cos_sin_cache if the sequence is longer")
+            _mark_values_checked(positions)
 
     def check_topk(self, x: torch.Tensor, k: int) -> None:
         if not 0 < k <= x.shape[-1]:
@@ -337,10 +339,34 @@ class Backend(abc.ABC):
 # empty batch (0 rows: returned as torch does, without launching anything).
 
 
-def _capturing(t: torch.Tensor) -> bool:
-    """Reading a value needs a host synchronisation, which a CUDA graph capture forbids: the value
-    checks are skipped while one is captured (the engine checked the same metadata eagerly before)."""
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+def _value_stamp(obj: AttentionMetadata | torch.Tensor):
+    """What identifies the values of ``obj`` (attention metadata, rotary positions) for the value
+    checks: None means "check now".
+
+    On the CPU values are read for free: every call checks (None). On an accelerator reading a value
+    is a host synchronisation, so it happens once per object and contents: a model's layers share
+    one metadata object and one positions tensor per step, so a step pays one synchronisation, not
+    one per layer; the version counters move with every in-place write, so a reused buffer refilled
+    is checked again. While a CUDA graph is captured no value can be read at all ("capturing": the
+    engine ran the same shapes eagerly before)."""
+    tensors = (obj.query_start_loc, obj.seq_lens, obj.block_table) if isinstance(obj, AttentionMetadata) else (obj,)
+    if tensors[0].device.type == "cpu":
+        return None
+    if tensors[0].is_cuda and torch.cuda.is_current_stream_capturing():
+        return "capturing"
+    return tuple(t._version for t in tensors)
+
+
+def _values_checked(obj: AttentionMetadata | torch.Tensor) -> bool:
+    stamp = _value_stamp(obj)
+    return stamp == "capturing" or (stamp is not None and getattr(obj, "_hal_checked_stamp", None) == stamp)
+
+
+def _mark_values_checked(obj: AttentionMetadata | torch.Tensor) -> None:
+    stamp = _value_stamp(obj)
+    if stamp is not None:
+        object.__setattr__(obj, "_hal_checked_stamp", stamp)   # AttentionMetadata is frozen: set on purpose
+
 
 
 def _rows(x: torch.Tensor) -> int:

@@ -30,9 +30,15 @@ def test_phase_consistency(hal_backend, hal_depth, op):
     lengths, chunk, split = _lengths(hal_backend, hal_depth)
 
     dtypes = dtypes_for(hal_backend, "attention")
+    # The decoder block's GEMMs are (4 x hidden, hidden) with hidden = q_heads x head_dim: at tiny depth
+    # (kernels run by an interpreter) it keeps hidden <= 256, which still crosses no K chunk anyway;
+    # the attention op itself keeps every head layout.
+    small = hal_depth == "tiny" and op == "decoder block"
+    heads = [(4, 1), (4, 2)] if small else [(4, 1), (4, 2), (8, 8)]
+    head_dims = [64] if small else [64, 128]
 
-    @given(seq_len=st.sampled_from(lengths), heads=st.sampled_from([(4, 1), (4, 2), (8, 8)]),
-           head_dim=st.sampled_from([64, 128]), dtype=st.sampled_from(dtypes),
+    @given(seq_len=st.sampled_from(lengths), heads=st.sampled_from(heads),
+           head_dim=st.sampled_from(head_dims), dtype=st.sampled_from(dtypes),
            decode_tokens=st.integers(1, 6 if hal_depth == "tiny" else 24), cut=st.integers(1, 10 ** 6),
            seed=st.integers(0, 2 ** 16))
     def check(seq_len, heads, head_dim, dtype, decode_tokens, cut, seed):
