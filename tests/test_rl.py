@@ -200,6 +200,18 @@ def test_cli_recipe_file_that_is_not_a_mapping_is_one_line_error(tmp_path, capsy
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("config", ['{"hidden_size": ', '[1, 2]', '{"architectures": ["LlamaForCausalLM"]}'])
+def test_cli_checkpoint_with_an_unusable_config_json_is_one_line_error(tmp_path, capsys, config):
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text(config)
+    assert main(["run", str(SMOKE), f"output_dir={tmp_path / 'out'}", f"model.checkpoint={checkpoint}",
+                 "model.overrides={}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err and "config.json" in err, err
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("override", [f"seed={2**63}", "model.overrides={vocab_size: abc}", "steps=-1",
                                       "model.seed=-5", "harness.page_size=0", "temperature=.nan"])
 def test_cli_out_of_range_or_mistyped_override_is_one_line_error(tmp_path, capsys, override):

@@ -283,11 +283,12 @@ def _check_vllm_engine(recipe: Recipe, bad) -> None:
 
         head_dim = tiny_config(m.arch, m.dtype, **m.overrides).head_dim
     else:
-        import json
+        from hal.model.config import ModelConfig, read_hf_config
 
-        from hal.model.config import ModelConfig
-
-        head_dim = ModelConfig.from_hf(json.loads((Path(m.checkpoint) / "config.json").read_text())).head_dim
+        try:
+            head_dim = ModelConfig.from_hf(read_hf_config(m.checkpoint)).head_dim
+        except HalError as exc:
+            raise bad("model.checkpoint", m.checkpoint, f"not a usable model config: {exc}") from None
     if head_dim not in VLLM_CPU_HEAD_SIZES:
         raise bad("model", f"head_dim {head_dim}", f"vLLM's CPU attention takes head sizes "
                   f"{', '.join(map(str, VLLM_CPU_HEAD_SIZES))}; set model.overrides.head_dim (e.g. 32)")
@@ -386,15 +387,13 @@ def validate(recipe: Recipe, source: str = "recipe") -> None:
 
 def _max_position(recipe: Recipe, bad) -> int:
     """The model's max_position, from its config (an unusable config is a RecipeError)."""
-    import json
-
-    from hal.model.config import ModelConfig, tiny_config
+    from hal.model.config import ModelConfig, read_hf_config, tiny_config
 
     m = recipe.model
     try:
         if m.checkpoint is None:
             return tiny_config(m.arch, m.dtype, **m.overrides).max_position
-        return ModelConfig.from_hf(json.loads((Path(m.checkpoint) / "config.json").read_text())).max_position
+        return ModelConfig.from_hf(read_hf_config(m.checkpoint)).max_position
     except HalError as exc:
         raise bad("model", m.checkpoint or m.overrides, f"not a usable model config: {exc}") from None
     except (OSError, ValueError, TypeError, KeyError) as exc:
