@@ -200,13 +200,14 @@ def test_cli_recipe_file_that_is_not_a_mapping_is_one_line_error(tmp_path, capsy
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("engine", ["harness", "vllm"])
 @pytest.mark.parametrize("config", ['{"hidden_size": ', '[1, 2]', '{"architectures": ["LlamaForCausalLM"]}'])
-def test_cli_checkpoint_with_an_unusable_config_json_is_one_line_error(tmp_path, capsys, config):
+def test_cli_checkpoint_with_an_unusable_config_json_is_one_line_error(tmp_path, capsys, config, engine):
     checkpoint = tmp_path / "ckpt"
     checkpoint.mkdir()
     (checkpoint / "config.json").write_text(config)
     assert main(["run", str(SMOKE), f"output_dir={tmp_path / 'out'}", f"model.checkpoint={checkpoint}",
-                 "model.overrides={}"]) == 2
+                 "model.overrides={}", f"engine={engine}"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err and "config.json" in err, err
     assert not (tmp_path / "out").exists()
