@@ -24,10 +24,12 @@ run: $(STAMP)
 
 # HAL_TEST_NO_SKIP: a skipped test fails (every dependency is installed here, so a skip would hide a
 # broken install). Two workers, one test file each at a time (--dist loadfile keeps a file's shared vLLM
-# engine or compiled kernels in one process); the 15 slowest tests are listed at the end.
+# engine or compiled kernels in one process), one OpenMP thread each (two workers with two threads each
+# on 2 cores ran the suite in 16.5 min instead of 8: the threads spin against each other); the 15
+# slowest tests are listed at the end.
 PYTEST_ARGS ?= -n 2 --dist loadfile --durations=15
 test: $(STAMP)
-	HAL_TEST_NO_SKIP=1 HAL_TEST_REQUIRE_VLLM=1 $(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 HAL_TEST_NO_SKIP=1 HAL_TEST_REQUIRE_VLLM=1 $(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -174,10 +174,15 @@ def pytest_runtest_makereport(item, call):
     rep = outcome.get_result()
     if rep.when == "call" or (rep.when == "setup" and rep.outcome != "passed"):
         item.config._hal_results.add(_item_op(item), marker.kwargs["level"], rep, kit_id(item))
+        # after every test: a slice killed by a time limit keeps what it finished, for --resume
+        _write_report(item.config)
 
 
 def pytest_sessionfinish(session, exitstatus):
-    config = session.config
+    _write_report(session.config)
+
+
+def _write_report(config) -> None:
     results = getattr(config, "_hal_results", None)
     backend = getattr(config, "_hal_backend", None)
     previous = getattr(config, "_hal_previous", None)

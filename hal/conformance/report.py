@@ -242,7 +242,11 @@ def markdown(data: dict) -> str:
 
 
 def write(data: dict, path: str | os.PathLike) -> None:
+    """JSON and Markdown, each replaced atomically (a run killed mid-write leaves the previous report,
+    which ``--resume`` can continue)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2) + "\n")
-    path.with_suffix(".md").write_text(markdown(data) + "\n")
+    for target, text in ((path, json.dumps(data, indent=2) + "\n"), (path.with_suffix(".md"), markdown(data) + "\n")):
+        tmp = target.with_name(target.name + ".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, target)
