@@ -33,15 +33,11 @@ from typing import Iterator
 
 import torch
 
-from hal.errors import HalError
+from hal.errors import HalError, NothingComparedError
 from hal.metrics import LogprobComparison, compare_logprobs
 from hal.model.trace import OpTrace, TraceEntry
 
 SCENARIOS = ("train-vs-rollout", "rollout-vs-rollout", "train-vs-train")
-
-
-class NothingComparedError(HalError):
-    """The two traces had no (op, position) pair in common: "no divergence" would mean nothing."""
 
 
 # ---------------------------------------------------------------------------------------------

@@ -52,3 +52,42 @@ class ContractMismatchError(HalError):
 class WeightSyncError(HalError):
     """After a weight sync the rollout engine does not hold exactly the trainer's weights (or a sync that
     must be in place allocated new buffers)."""
+
+
+# -- the model, its checkpoints and training -------------------------------------------------------
+
+class CheckpointError(HalError):
+    """A checkpoint directory is missing files or tensors, holds tensors of the wrong shape, or a file
+    that cannot be read (not JSON, not safetensors, truncated, keys missing or of the wrong type).
+
+    (``hal.model.CheckpointError``: the model's HF weights. A training run's resume checkpoint raises
+    ``TrainingCheckpointError``.)"""
+
+
+class TrainingCheckpointError(HalError):
+    """A training checkpoint cannot be resumed: it is damaged, not a hal checkpoint, or written for other
+    steps. (``hal.rl.CheckpointError`` is this class.)"""
+
+
+class WeightsChangedError(HalError):
+    """A tensor saved by the forward was modified in place before the backward used it."""
+
+
+class DivergedError(HalError):
+    """Training produced a non-finite logprob, loss or weight; the run stopped before recording the step."""
+
+
+class RecipeError(HalError):
+    """A recipe (or an override of it) is malformed or cannot run here; nothing was started."""
+
+
+# -- tools -----------------------------------------------------------------------------------------
+
+class NothingComparedError(HalError):
+    """The two traces had no (op, position) pair in common: "no divergence" would mean nothing."""
+
+
+# -- integrations ----------------------------------------------------------------------------------
+
+class VllmVersionError(HalError):
+    """The installed vLLM is not one the plugin supports: refusing beats routing half the ops."""

@@ -28,12 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from hal.backend import AttentionMetadata, Backend
-from hal.errors import HalError
+from hal.errors import HalError, WeightsChangedError
 from hal.kvcache import PagedKVCache, build_metadata, pages_needed
-
-
-class WeightsChangedError(HalError):
-    """A tensor saved by the forward was modified in place before the backward used it."""
 
 
 # ---------------------------------------------------------------------------------------------

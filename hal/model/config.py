@@ -17,17 +17,12 @@ from typing import Any
 
 import torch
 
-from hal.errors import HalError, UnsupportedError
+from hal.errors import CheckpointError, UnsupportedError
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _HF_CLASSES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
-
-
-class CheckpointError(HalError):
-    """A checkpoint directory is missing files or tensors, holds tensors of the wrong shape, or a file
-    that cannot be read (not JSON, not safetensors, truncated, keys missing or of the wrong type)."""
 
 
 _REQUIRED = object()

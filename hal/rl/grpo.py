@@ -50,7 +50,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from hal import api
-from hal.errors import ContractMismatchError, HalError, WeightSyncError
+from hal.errors import ContractMismatchError, DivergedError, HalError, TrainingCheckpointError, WeightSyncError
 from hal.metrics import compare_logprobs
 from hal.model import DecoderLM, load_pretrained, tiny_config
 from hal.rl.engines import open_engine, weights_checksum
@@ -144,12 +144,8 @@ def _request_seed(seed: int, step: int, index: int) -> int:
     return int.from_bytes(hashlib.sha256(f"hal.rl sample {seed} {step} {index}".encode()).digest()[:7], "little")
 
 
-class CheckpointError(HalError):
-    """A checkpoint cannot be resumed: it is damaged, not a hal checkpoint, or written for other steps."""
-
-
-class DivergedError(HalError):
-    """Training produced a non-finite logprob, loss or weight; the run stopped before recording the step."""
+#: the name this error has always had in ``hal.rl`` (hal.model's CheckpointError is the HF weights' one)
+CheckpointError = TrainingCheckpointError
 
 
 # A checkpoint file is this header line, the sha256 of the payload, a newline, then the payload

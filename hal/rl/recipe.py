@@ -22,7 +22,7 @@ from typing import Any, Sequence
 
 import yaml
 
-from hal.errors import HalError
+from hal.errors import HalError, RecipeError
 
 ENGINES = ("harness", "vllm")
 #: head sizes vLLM 0.32's CPU attention backend accepts (CPUAttentionBackend.get_supported_head_sizes)
@@ -35,10 +35,6 @@ RESOLVED_RECIPE = "resolved-recipe.yaml"
 RESOLVED_HEADER = "# hal run: the resolved recipe of the run in this directory (rewritten by every run here)"
 #: integers a recipe may hold (torch and the RNGs take 64-bit seeds)
 INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
-
-
-class RecipeError(HalError):
-    """A recipe (or an override of it) is malformed or cannot run here; nothing was started."""
 
 
 # -- the schema: one dataclass per section, defaults are the documented defaults ---------------
