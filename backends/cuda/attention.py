@@ -143,7 +143,7 @@ def _chunk(q, m, l, acc, n0, b, kvh, positions, seq_len, q_row_ok, ones, k_cache
         # key masked for one row of the tile may be visible to another, so V cannot be selected
         # per row. Instead non-finite V entries are selected to 0 before the dot (finite values
         # pass unchanged: no bit changes for finite inputs), and the (row, dim) outputs whose row
-        # sees a non-finite V entry are set to NaN after it; "sees" is a dot of 0/1 indicators
+        # sees a non-finite V entry are set to NaN after the update; "sees" is a dot of 0/1 indicators
         # (counts <= BLOCK_N, exact in any dot). Only masked chunks pay for this.
         v_bad = (v != v) | (tl.abs(v) == float("inf"))
         v = tl.where(v_bad, 0.0, v)
@@ -166,11 +166,14 @@ def _chunk(q, m, l, acc, n0, b, kvh, positions, seq_len, q_row_ok, ones, k_cache
     else:
         row_sum = tl.max(tl.dot(p, ones, input_precision="ieee"), axis=1)
         pv = tl.dot(p, v, input_precision="ieee")
-    if MASKED:
-        pv = tl.where(sees_bad, float("nan"), pv)
     l_new = l * alpha + row_sum
     acc_new = acc * alpha[:, None] + pv
     if MASKED:
+        # NaN once a row sees a non-finite V (it stays NaN in every later update). Selected on the
+        # sum, not on pv: a select between the dot and the add changed finite outputs' bits on the
+        # H200 (the dot's result must feed the add directly, presumably so that the compiler keeps
+        # using fl(acc * alpha) as the MMA's accumulator as in every unmasked chunk).
+        acc_new = tl.where(sees_bad, float("nan"), acc_new)
         m = tl.where(row_visits, m_new, m)
         l = tl.where(row_visits, l_new, l)
         acc = tl.where(row_visits[:, None], acc_new, acc)
