@@ -50,6 +50,27 @@ def resolve_backend_name(explicit: str | None = None, recipe: str | None = None)
     return "reference", "automatic selection (no accelerator backend is available)"
 
 
+def resolve_contract(backend_cls: type[Backend], contract: str | Contract | None = None) -> Contract | None:
+    """The contract a backend of class ``backend_cls`` binds: ``contract`` (a name, a path or a loaded
+    Contract) > ``HAL_CONTRACT`` > the backend's first realised contract; None for a baseline, which
+    binds none whatever was asked (``HAL_CONTRACT`` is process-wide, set for the contract side). Loads
+    the contract but creates nothing: the vLLM front end resolves an engine's binding here without
+    initialising an accelerator, and ``create_backend`` binds through the same function.
+    Raises ``ContractMismatchError`` when the backend does not realise the contract."""
+    if not backend_cls.contracts:
+        return None
+    if contract is None:
+        contract = os.environ.get("HAL_CONTRACT", "").strip() or backend_cls.contracts[0]
+    if not isinstance(contract, Contract):
+        contract = load_contract(contract)
+    if contract.name not in backend_cls.contracts:
+        raise ContractMismatchError(
+            f"backend {backend_cls.name!r} does not realise contract {contract.name!r}; it realises: "
+            f"{', '.join(backend_cls.contracts)}. Choose one of those (contract=..., HAL_CONTRACT) or a "
+            f"backend that realises {contract.name!r} (`hal doctor`, `hal contract list`).")
+    return contract
+
+
 def create_backend(backend: str | None = None, contract: str | Contract | None = None,
                    device: torch.device | str | None = None, *, recipe_backend: str | None = None) -> Backend:
     """Resolve, probe and instantiate a backend bound to a contract."""
@@ -60,13 +81,7 @@ def create_backend(backend: str | None = None, contract: str | Contract | None =
         raise BackendUnavailableError(
             f"backend {name!r} (chosen by {chosen_by}) is not available here: {probe.reason}\n"
             f"Installed backends:\n{describe_installed()}")
-    if not cls.contracts:
-        return cls(None, device)
-    if contract is None:
-        contract = os.environ.get("HAL_CONTRACT", "").strip() or cls.contracts[0]
-    if not isinstance(contract, Contract):
-        contract = load_contract(contract)
-    return cls(contract, device)
+    return cls(resolve_contract(cls, contract), device)
 
 
 def set_backend(backend: str | Backend | None = None, contract: str | Contract | None = None,

@@ -236,10 +236,10 @@ def vllm_config_context():
 @pytest.fixture
 def hal_bound(vllm_config_context, monkeypatch):
     """Every op built from here on is built as in a HAL-bound engine."""
-    from hal.vllm import plugin
+    from hal.vllm import quant
 
-    config = plugin.HalConfig({"backend": "reference"})
-    monkeypatch.setattr(plugin, "bound_config", lambda: config)
+    config = quant.HalConfig({"backend": "reference"})
+    monkeypatch.setattr(quant, "bound_config", lambda: config)
     return config
 
 
@@ -274,12 +274,12 @@ def test_compiled_engines_are_refused(hal_bound, monkeypatch):
     from types import SimpleNamespace
 
     from hal.errors import UnsupportedError
-    from hal.vllm import plugin
+    from hal.vllm import quant
 
-    monkeypatch.setattr(plugin, "get_current_vllm_config",
+    monkeypatch.setattr(quant, "get_current_vllm_config",
                         lambda: SimpleNamespace(model_config=SimpleNamespace(enforce_eager=False)))
     with pytest.raises(UnsupportedError, match="enforce_eager=True"):
-        plugin._refuse_compilation()
+        quant._refuse_compilation()
 
 
 def test_doctor_reports_the_vllm_plugin(capsys):
@@ -373,14 +373,14 @@ def test_plain_llm_with_a_stock_lm_head_does_not_start(engines, monkeypatch):
     """The call-count check runs in any HAL-bound engine, not only inside VllmEngine."""
     from vllm import LLM
 
-    from hal.vllm import plugin
+    from hal.vllm import quant
 
     engines.close()
     _, path = engines.models.get(("llama", "float32")) or (None, None)
     if path is None:
         path = save_pretrained(tiny_model("llama", "float32"), WORKSPACE / "llama-float32")
     monkeypatch.setenv("HAL_BACKEND", "reference")
-    monkeypatch.setattr(plugin.HalLMHeadMethod, "apply", _stock_lm_head_apply)
+    monkeypatch.setattr(quant.HalLMHeadMethod, "apply", _stock_lm_head_apply)
     with pytest.raises(HalError, match=r"made no HAL call in a probe forward.*lm_head \(logits\)"):
         LLM(model=str(path), quantization="hal", skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
             max_model_len=256, use_tqdm_on_load=False)
@@ -407,10 +407,10 @@ def test_kernel_environment_mismatch_is_refused(monkeypatch, variable, value):
 
 
 def test_engine_process_with_another_kernel_environment_refuses(vllm_config_context, monkeypatch):
-    from hal.vllm import plugin
+    from hal.vllm import quant
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    config = plugin.HalConfig({"backend": "reference"})                      # resolved in the front end
+    config = quant.HalConfig({"backend": "reference"})                       # resolved in the front end
     monkeypatch.setenv("TRITON_INTERPRET", "1")                              # the engine process differs
     with pytest.raises(ContractMismatchError, match="kernel environment"):
         config.backend()

@@ -4,26 +4,39 @@ Turn it on for an engine with one setting, ``quantization="hal"`` (CLI ``--quant
 backend and contract follow the HAL's usual order (``HAL_BACKEND`` / ``HAL_CONTRACT``, else
 automatic), or come explicitly from
 ``hf_overrides={"quantization_config": {"quant_method": "hal", "backend": ..., "contract": ...}}``.
-Engines without it keep vLLM's stock kernels.
+Engines without it keep vLLM's stock kernels; a HAL-bound engine never falls back to a stock kernel
+silently (anything of the routed op families it cannot route makes it refuse to start with
+``UnsupportedError``).
 
-* ``register``: the ``vllm.general_plugins`` entry point (vLLM calls it in every process it starts);
-  vLLM is imported only inside it.
-* ``hal.vllm.plugin``: what a HAL-bound engine routes, and how (imports vLLM).
-* ``hal.vllm.worker``: a worker extension for RL: report the binding, check weights after a sync.
-* ``hal.vllm.engine``: ``VllmEngine``, the rollout engine the RL runner drives.
-* ``hal.vllm.binding``: the binding and the engine/trainer check (no vLLM import).
+``register`` is the ``vllm.general_plugins`` entry point: vLLM calls it in every process it starts
+(sometimes twice), so it is idempotent, and this module imports vLLM only inside it. It wires one
+module per vLLM extension point:
+
+* ``hal.vllm.quant``: ``register_quantization_config("hal")``: the engine's binding (``HalConfig``);
+  every ``LinearBase`` -> ``linear`` (+ bias), ``ParallelLMHead`` -> ``linear`` with fp32 logits.
+* ``hal.vllm.custom_ops``: ``CustomOp.register_oot``: RMSNorm -> ``rms_norm`` (+ fused residual),
+  SiluAndMul -> ``silu_mul``, RotaryEmbedding -> ``rotary`` (``hal.rope``'s table); other ops of
+  these families refuse.
+* ``hal.vllm.attention``: the attention backend registry, member ``CPU_ATTN`` -> ``write_kv`` +
+  ``attention`` on vLLM's own paged cache.
+* ``hal.vllm.sampler``: ``Sampler.__init__`` and a logits processor: logprobs -> ``log_softmax`` of
+  the fp32 logits, sampling -> ``hal.rollout.sampler``.
+* ``hal.vllm.introspection``: ``CPUWorker.compile_or_warm_up_model``: every routed module must call
+  the HAL in a probe forward, or the engine does not start.
+
+Without vLLM: ``hal.vllm.binding`` (the binding's identity and the engine/trainer check). Around the
+plugin: ``hal.vllm.worker`` (a worker extension for RL: report the binding, check weights after a
+sync) and ``hal.vllm.engine`` (``VllmEngine``, the rollout engine the RL runner drives).
 """
 
 from __future__ import annotations
 
-from hal.errors import HalError
+from hal.errors import VllmVersionError
 
 #: vLLM versions whose extension points this plugin was written and tested against
 SUPPORTED_VLLM = ("0.32.",)
 
-
-class VllmVersionError(HalError):
-    """The installed vLLM is not one the plugin supports: refusing beats routing half the ops."""
+_installed = False
 
 
 def check_vllm_version(version: str) -> None:
@@ -38,6 +51,9 @@ def check_vllm_version(version: str) -> None:
 def register() -> None:
     """vLLM's general-plugin hook. Idempotent. On an unsupported vLLM it installs only a ``hal``
     quantization method that refuses, so asking for the HAL fails loudly and nothing else changes."""
+    global _installed
+    if _installed:
+        return
     import vllm
 
     try:
@@ -45,9 +61,11 @@ def register() -> None:
     except VllmVersionError as error:
         _register_refusal(error)
         return
-    from hal.vllm import plugin
+    from hal.vllm import attention, custom_ops, introspection, quant, sampler
 
-    plugin.install()
+    for extension_point in (quant, custom_ops, attention, sampler, introspection):
+        extension_point.install()
+    _installed = True
 
 
 def _register_refusal(error: VllmVersionError) -> None:

@@ -11,9 +11,8 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
-from hal.api import resolve_backend_name
+from hal.api import resolve_backend_name, resolve_contract
 from hal.backend import Backend
-from hal.contract import load_contract
 from hal.errors import ContractMismatchError, HalError
 from hal.registry import backend_class
 
@@ -67,8 +66,9 @@ class EngineBinding:
 
 def resolve_binding(options: Mapping[str, Any] | None = None) -> EngineBinding:
     """The binding for an engine: ``options`` (backend / contract) > ``HAL_BACKEND`` / ``HAL_CONTRACT``
-    > automatic selection, as everywhere in the HAL. Resolves names only (no backend is created here:
-    this runs in the front-end process, which must not initialise an accelerator)."""
+    > automatic selection, through the same ``hal.api.resolve_contract`` as ``create_backend``. Resolves
+    names only (no backend is created here: this runs in the front-end process, which must not initialise
+    an accelerator)."""
     options = dict(options or {})
     unknown = sorted(set(options) - set(OPTION_KEYS))
     if unknown:
@@ -76,16 +76,14 @@ def resolve_binding(options: Mapping[str, Any] | None = None) -> EngineBinding:
                        f"accepted: {list(OPTION_KEYS)}")
     name, _ = resolve_backend_name(options.get("backend") or None)
     cls = backend_class(name)
-    if not cls.contracts:
-        if options.get("contract"):
-            raise ContractMismatchError(f"backend {name!r} realises no contract; drop contract="
-                                        f"{options['contract']!r} or choose a contract backend")
+    if not cls.contracts and options.get("contract"):
+        # create_backend ignores a contract for a baseline; an engine's options naming one are a mistake
+        raise ContractMismatchError(f"hal vLLM plugin: backend {name!r} realises no contract; drop contract="
+                                    f"{options['contract']!r} from the quantization_config or choose a "
+                                    f"contract backend")
+    contract = resolve_contract(cls, options.get("contract") or None)
+    if contract is None:
         return EngineBinding(name, None, None, kernel_environment())
-    contract_name = options.get("contract") or os.environ.get("HAL_CONTRACT", "").strip() or cls.contracts[0]
-    contract = load_contract(contract_name)
-    if contract.name not in cls.contracts:
-        raise ContractMismatchError(f"backend {name!r} does not realise contract {contract.name!r}; it "
-                                    f"realises: {', '.join(cls.contracts)}")
     return EngineBinding(name, contract.name, contract.fingerprint, kernel_environment())
 
 

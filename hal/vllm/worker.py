@@ -5,7 +5,7 @@ multi-process engines need no insecure serialization):
 
 * ``hal_binding``: what this worker's model actually bound, found by walking its modules, not by
   trusting the config: the backend and fingerprint every routed op holds, any op left unrouted, and
-  (a probe forward, ``hal.vllm.plugin.probe_hal_calls``) any routed module that made no HAL call;
+  (a probe forward, ``hal.vllm.introspection.probe_hal_calls``) any routed module that made no HAL call;
 * ``hal_weight_pointers`` / ``hal_weights_digest``: storage addresses, and sha256 per parameter (vLLM
   names, which the trainer's ``DecoderLM`` shares), so a weight sync can be checked to be in place
   and complete.
@@ -38,7 +38,8 @@ class HalWorkerExtension:
         routed kind (linear, lm_head, norm, activation, RoPE, attention) that hold no HAL route],
         "silent": [routed modules that made no HAL call in a probe forward (HAL-bound engines only)],
         "pid": this worker's process id}."""
-        from hal.vllm.plugin import HalConfig, probe_hal_calls, routed_binding, silent_modules
+        from hal.vllm.introspection import probe_hal_calls, routed_binding, silent_modules
+        from hal.vllm.quant import HalConfig
 
         bindings, unrouted = set(), []
         for name, module in self._hal_model().named_modules():
