@@ -5,8 +5,9 @@ One run, side by side, random inputs, medians of repeated timings in two modes:
           a Python caller sees, host launch cost included (it dominates small shapes);
   graph   triton.testing.do_bench_cudagraph (calls captured in a CUDA graph and replayed): device
           time alone, as under vLLM's CUDA graphs. Inputs rotate over enough copies to exceed L2.
-Each row also times the first measured kernels (bench/cuda_v0, eager; their decode path syncs, so
-it cannot be captured) and checks that ours and v0 give bitwise equal outputs on the same inputs.
+Each row also times an older version of the kernels ("v0": by default the first measured one, written
+into .old_kernels/ by bench/old_kernels.sh; eager, as its decode path syncs and cannot be captured)
+and checks that ours and v0 give bitwise equal outputs on the same inputs.
   GEMM        cuda vs torch.mm (cuBLAS), M in 1..8192 for the Llama-8B and lm_head shapes, and the
               weight-read roofline (bytes of W / copy bandwidth)
   prefill     cuda paged attention vs torch SDPA (flash) on the same causal problem
@@ -14,7 +15,7 @@ it cannot be captured) and checks that ours and v0 give bitwise equal outputs on
               16-token pages (vLLM's default) and, as decode_page64, the same keys in 64-token pages
   rows        RMSNorm + residual, SiLU*up (vs torch), token logprobs (vs log_softmax + gather)
 
-    python bench/bench_cuda.py --json bench.json [--quick] [--only gemm,attention,rows]
+    python bench/bench_cuda.py --json bench.json [--quick] [--only gemm,attention,rows] [--base .old_kernels]
 """
 
 from __future__ import annotations
@@ -29,11 +30,11 @@ import torch
 import torch.nn.functional as F
 import triton
 
-import cuda_v0.attention as v0_attention
-import cuda_v0.gemm as v0_gemm
-import cuda_v0.logprobs as v0_logprobs
+import old_kernels
 from hal.api import create_backend
 from hal.kvcache import build_metadata, cache_tensor
+
+v0_gemm = v0_attention = v0_logprobs = None  # the old kernels (--base), set by main()
 
 L2_BYTES = 60 << 20
 
@@ -283,7 +284,11 @@ def main() -> int:
     parser.add_argument("--json", required=True)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--only", default="gemm,attention,rows")
+    old_kernels.add_argument(parser)
     args = parser.parse_args()
+    global v0_gemm, v0_attention, v0_logprobs  # the old kernels every row is timed and checked against
+    base = old_kernels.load(args.base)
+    v0_gemm, v0_attention, v0_logprobs = base.gemm, base.attention, base.logprobs
     backend = create_backend("cuda")
     start = time.time()
     ceil = ceilings()
@@ -309,7 +314,7 @@ def main() -> int:
         print(f"{r['op']:<15} {r['shape']:<27} {r['ours_ms']:>8.4f} {r['stock_ms']:>8.4f} {r['ratio']:>6.2f} {v0}"
               f" | {r['ours_graph_ms']:>10.4f} {r['stock_graph_ms']:>8.4f} {r['ratio_graph']:>6.2f}  {extra}")
     if not all(r.get("equal_v0", True) for r in rows):
-        print("BITS DIFFER from cuda_v0 in:", [r["shape"] for r in rows if not r.get("equal_v0", True)])
+        print("BITS DIFFER from the old kernels in:", [r["shape"] for r in rows if not r.get("equal_v0", True)])
         return 1
     return 0
 

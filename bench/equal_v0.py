@@ -1,11 +1,13 @@
-"""Check on the GPU that the current cuda kernels give bitwise the same outputs as the first
-measured versions (bench/cuda_v0), over varied batch sizes, lengths and launch shapes.
+"""Check on the GPU that the current cuda kernels give bitwise the same outputs as an older version
+of them (by default the first measured one), over varied batch sizes, lengths and launch shapes.
 
 The speed work may change tiles, warps, stages, loop structure and launches, never the
 contract's reduction structure; ``torch.equal`` against the old kernels on the same random
 inputs is the direct check (the conformance kit checks the contract's properties themselves).
+The old kernels come from git history: ``bash bench/old_kernels.sh [REF] [DIR]`` writes them into
+DIR (default .old_kernels/, REF default b7c66ae) on a machine with the history; carry DIR to the GPU.
 
-    python bench/equal_v0.py --json equal_v0.json
+    python bench/equal_v0.py --json equal_v0.json [--base .old_kernels]
     TRITON_INTERPRET=1 python bench/equal_v0.py --json equal.json --device cpu --small   # dry run, no GPU
 """
 
@@ -18,16 +20,14 @@ import time
 
 import torch
 
-import cuda_v0.attention as v0_attention
-import cuda_v0.gemm as v0_gemm
-import cuda_v0.logprobs as v0_logprobs
+import old_kernels
 from hal.api import create_backend
 from hal.backends.cuda import attention, gemm, logprobs
 from hal.conformance.checks import random_tensor
 from hal.kvcache import build_metadata
 
 
-def gemm_cases(contract, g, device, small):
+def gemm_cases(contract, base, g, device, small):
     k_chunk = contract.gemm.k_chunk
     rows = []
     shapes = [(4096, 4096, torch.bfloat16, False, torch.bfloat16), (1000, 1100, torch.bfloat16, True, torch.float32),
@@ -41,7 +41,7 @@ def gemm_cases(contract, g, device, small):
         bias = random_tensor((n,), dtype, g, device=device) if has_bias else None
         for m in m_list:
             x = random_tensor((m, k), dtype, g, device=device, spread=4)
-            same = torch.equal(gemm.linear(x, w, bias, out_dtype, k_chunk), v0_gemm.linear(x, w, bias, out_dtype, k_chunk))
+            same = torch.equal(gemm.linear(x, w, bias, out_dtype, k_chunk), base.gemm.linear(x, w, bias, out_dtype, k_chunk))
             rows.append(dict(op="gemm", case=f"M={m} N={n} K={k} {dtype} bias={has_bias} out={out_dtype}", equal=same))
     return rows
 
@@ -60,7 +60,7 @@ def _paged(seq_lens, q_lens, hq, hkv, d, page, dtype, g, device):
     return q, k, v, build_metadata(q_lens, seq_lens, lists, device)
 
 
-def attention_cases(contract, g, device, small):
+def attention_cases(contract, base, g, device, small):
     spec = contract.attention
     rows = []
     cases = [([n], [n], 32, 8, 128, 64, torch.bfloat16) for n in (1, 63, 64, 65, 511, 512, 513, 1500, 4096)]
@@ -78,7 +78,7 @@ def attention_cases(contract, g, device, small):
         q, k, v, meta = _paged(seq_lens, q_lens, hq, hkv, d, page, dtype, g, device)
         args = (q, k, v, meta.query_start_loc, meta.seq_lens, meta.block_table, d ** -0.5, spec.kv_chunk,
                 spec.kv_split)
-        ref = v0_attention.paged_attention(*args)
+        ref = base.attention.paged_attention(*args)
         launches = [dict(), dict(split_parallel=True), dict(split_parallel=False, block_q=4, num_warps=4)]
         same = [torch.equal(attention.paged_attention(*args, **lc), ref) for lc in launches]
         rows.append(dict(op="attention", case=f"seq_lens={seq_lens[:4]}{'...' if len(seq_lens) > 4 else ''} "
@@ -87,7 +87,7 @@ def attention_cases(contract, g, device, small):
     return rows
 
 
-def logprob_cases(contract, g, device, small):
+def logprob_cases(contract, base, g, device, small):
     chunk = contract.logprobs.vocab_chunk
     rows = []
     for m in (1, 7) if small else (1, 7, 64, 300):
@@ -96,8 +96,8 @@ def logprob_cases(contract, g, device, small):
                 x = random_tensor((m, vocab), torch.float32, g, device=device, scale=5.0)
                 ids = torch.randint(0, vocab, (m,), generator=g).to(device)
                 same_tok = torch.equal(logprobs.token_logprobs(x, ids, t, chunk),
-                                       v0_logprobs.token_logprobs(x, ids, t, chunk))
-                same_ls = torch.equal(logprobs.log_softmax(x, t, chunk), v0_logprobs.log_softmax(x, t, chunk))
+                                       base.logprobs.token_logprobs(x, ids, t, chunk))
+                same_ls = torch.equal(logprobs.log_softmax(x, t, chunk), base.logprobs.log_softmax(x, t, chunk))
                 rows.append(dict(op="logprobs", case=f"M={m} V={vocab} T={t}", equal=same_tok and same_ls))
     return rows
 
@@ -107,22 +107,24 @@ def main() -> int:
     parser.add_argument("--json", required=True)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--small", action="store_true", help="a few small shapes (for the CPU interpreter)")
+    old_kernels.add_argument(parser)
     args = parser.parse_args()
+    base = old_kernels.load(args.base)
     contract = create_backend("cuda").contract
     g = torch.Generator().manual_seed(0)
     start = time.time()
     rows = []
     for fn in (gemm_cases, attention_cases, logprob_cases):
-        rows += fn(contract, g, args.device, args.small)
+        rows += fn(contract, base, g, args.device, args.small)
         print(f"{fn.__name__} done at {time.time() - start:.0f}s", flush=True)
     ok = all(r["equal"] for r in rows)
     with open(args.json, "w") as f:
         device = torch.cuda.get_device_name() if args.device == "cuda" else args.device
-        json.dump(dict(device=device, torch=torch.__version__, ok=ok, rows=rows), f, indent=2)
+        json.dump(dict(device=device, torch=torch.__version__, base=base.__doc__.strip(), ok=ok, rows=rows), f, indent=2)
     for r in rows:
         if not r["equal"]:
             print("DIFFERENT BITS:", r["op"], r["case"])
-    print(f"equal to cuda_v0: {sum(r['equal'] for r in rows)}/{len(rows)} cases"
+    print(f"equal to the old kernels in {args.base}: {sum(r['equal'] for r in rows)}/{len(rows)} cases"
           f" ({'all bitwise equal' if ok else 'MISMATCH'})")
     return 0 if ok else 1
 

@@ -6,7 +6,10 @@
 # from outside the checkout so that the installed package (with hal.backends.cuda) is imported.
 # The GPU image has no stevedore and no registry access; fetch its wheel here first:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl stevedore==5.10.0
-# and pass carry=[".whl"] to the device tool.
+# The GPU machine gets the working tree without .git; the old kernels that `equal` (and bench, sweep)
+# compare against come from git history, written here first:
+#   bash bench/old_kernels.sh [REF] [DIR]      (default: b7c66ae, the first measured kernels, into .old_kernels)
+# and pass carry=[".whl", ".old_kernels"] to the device tool.
 # Results go to $OUT (JSON + logs); commit them under bench/results/ with the command used.
 #   KIT_EXAMPLES   hypothesis examples per kit test for kit-quick and negative (default 8)
 #   KIT_SHARDS, KIT_SLICE_TIMEOUT   kit-full: slices run side by side (12) and each one's limit (480 s)
@@ -28,8 +31,8 @@ status=0
 for step in $steps; do
   echo "== $step"
   case $step in
-    equal) # the current kernels against the first measured ones (bench/cuda_v0): bitwise equal
-           python3 "$repo/bench/equal_v0.py" --json "$out/equal_v0.json" > "$out/equal_v0.log" 2>&1 || status=1
+    equal) # the current kernels against the old ones in .old_kernels (bench/old_kernels.sh): bitwise equal
+           python3 "$repo/bench/equal_v0.py" --base "$repo/.old_kernels" --json "$out/equal_v0.json" > "$out/equal_v0.log" 2>&1 || status=1
            tail -n 5 "$out/equal_v0.log" ;;
     tile) python3 "$repo/bench/tile_freedom.py" --json "$out/tile_freedom.json" > "$out/tile_freedom.log" 2>&1 || status=1
           tail -n 20 "$out/tile_freedom.log" ;;

@@ -1,6 +1,7 @@
 """Sweep of launch shapes for the cuda kernels on the H200: the evidence behind the per-shape
 configs in gemm.py and attention.py. Every variant's output is checked bitwise against the first
-measured kernels (bench/cuda_v0) on the same inputs, then timed next to them and the stock ops.
+measured kernels (written into .old_kernels/ by bench/old_kernels.sh; --base) on the same inputs,
+then timed next to them and the stock ops.
 
 Variants are few on purpose (each is a separate compile, ~1-2 s): picked by reasoning about the
 shape (weight-read bound small M, MMA-bound large M; decode streaming KV, prefill MMA-bound) and
@@ -27,14 +28,12 @@ import torch.nn.functional as F
 import triton
 from triton.runtime.errors import OutOfResources
 
-import cuda_v0.attention as v0_attention
-import cuda_v0.gemm as v0_gemm
-import cuda_v0.logprobs as v0_logprobs
-import lab.gemm_persistent as gemm_persistent
+import old_kernels
 from bench_cuda import copies, paged_problem, relayout, rotating, sdpa_problem
 from hal.api import create_backend
 from hal.backends.cuda import attention, gemm, logprobs
 
+v0_gemm = v0_attention = v0_logprobs = None  # the old kernels (--base), set by main()
 
 GRAPH = False  # --graph: time variants by device time (CUDA-graph replay) instead of eager calls
 
@@ -76,9 +75,9 @@ def _v(bm, bn, bk, warps, stages, **kw):
     return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, **kw)
 
 
-# Second round (bench/results/h200-2026-11-29-session3/sweep_1, sweep_2): TMA at every M, tile
-# widths against wave quantisation, and the persistent kernel of bench/lab (``persistent``: a
-# fixed number of programs walks the tiles). First round: ../h200-2026-11-29-speed/sweep_call1.
+# Second round (bench/results/h200-2026-11-29-session3/sweep_1, sweep_2): TMA at every M and tile
+# widths against wave quantisation. First round: ../h200-2026-11-29-speed/sweep_call1. The second round
+# also timed a persistent GEMM, never faster beyond noise (`git show 93e0a42:bench/lab/gemm_persistent.py`).
 GEMM_VARIANTS = {
     "small": [_v(16, 32, 256, 4, 4), _v(16, 16, 256, 4, 4), _v(16, 16, 256, 4, 6), _v(16, 64, 128, 4, 5),
               _v(16, 64, 128, 4, 6), _v(16, 16, 512, 4, 4), _v(16, 32, 256, 4, 4, tma=True),
@@ -90,15 +89,11 @@ GEMM_VARIANTS = {
              _v(64, 128, 64, 4, 4, GROUP_M=8, tma=True), _v(64, 64, 64, 4, 6, GROUP_M=8, tma=True),
              _v(64, 64, 128, 4, 4, GROUP_M=8, tma=True), _v(128, 64, 64, 4, 4, GROUP_M=8, tma=True),
              _v(128, 64, 64, 4, 3, GROUP_M=8, tma=True),
-             _v(64, 128, 64, 4, 4, GROUP_M=8, persistent=True, flatten=True, per_sm=2),
              _v(128, 256, 64, 8, 3, GROUP_M=8, tma=True)],
     "large": [_v(128, 128, 64, 8, 4, GROUP_M=8, tma=True), _v(128, 128, 64, 8, 3, GROUP_M=8, tma=True),
               _v(64, 128, 64, 4, 3, GROUP_M=8, tma=True), _v(64, 128, 64, 4, 4, GROUP_M=8, tma=True),
               _v(128, 64, 64, 4, 4, GROUP_M=8, tma=True), _v(128, 256, 64, 8, 3, GROUP_M=8, tma=True),
-              _v(128, 128, 64, 8, 4, GROUP_M=16, tma=True),
-              _v(128, 128, 64, 8, 3, GROUP_M=8, persistent=True, flatten=True),
-              _v(128, 128, 64, 8, 4, GROUP_M=8, persistent=True, flatten=True),
-              _v(128, 128, 64, 8, 4, GROUP_M=8, persistent=True, flatten=False)],
+              _v(128, 128, 64, 8, 4, GROUP_M=16, tma=True)],
 }
 for _variants in GEMM_VARIANTS.values():  # pointer loads, direct launch unless a variant asks otherwise
     for _cfg in _variants:
@@ -108,8 +103,6 @@ for _variants in GEMM_VARIANTS.values():  # pointer loads, direct launch unless 
 
 
 def run_variant(x, w, out_dtype, k_chunk, cfg):
-    if cfg.get("persistent"):
-        return gemm_persistent.linear(x, w, out_dtype, k_chunk, cfg)
     return gemm.linear(x, w, None, out_dtype, k_chunk, cfg)
 
 
@@ -348,9 +341,12 @@ def main() -> int:
     parser.add_argument("--graph", action="store_true", help="time variants by CUDA-graph replay (device time)")
     parser.add_argument("--ms", default="1,16,64,256,1024,4096,8192", help="GEMM M values")
     parser.add_argument("--nk", default="4096x4096,14336x4096,4096x14336,152064x4096", help="GEMM (N, K) pairs")
+    old_kernels.add_argument(parser)
     args = parser.parse_args()
-    global GRAPH
+    global GRAPH, v0_gemm, v0_attention, v0_logprobs
     GRAPH = args.graph
+    base = old_kernels.load(args.base)
+    v0_gemm, v0_attention, v0_logprobs = base.gemm, base.attention, base.logprobs
     contract = create_backend("cuda").contract
     start = time.time()
     rows = []
