@@ -10,12 +10,12 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
 def targets():
-    spec = importlib.util.spec_from_file_location("bench_targets", os.path.join(ROOT, "bench", "targets.py"))
+    spec = importlib.util.spec_from_file_location("bench_targets", os.path.join(BENCH, "targets.py"))
     module = importlib.util.module_from_spec(spec)
     sys.modules["bench_targets"] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
