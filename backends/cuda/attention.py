@@ -330,8 +330,8 @@ def _merge_kernel(part_m_ptr, part_l_ptr, part_a_ptr, part_pos_ptr, out_ptr, str
                   max_splits, KV_SPLIT: tl.constexpr, HEAD_DIM: tl.constexpr, IS_BF16: tl.constexpr):
     """Merge the splits of one (token, head) in ascending order; the same formula as in-kernel.
     The loop is not software-pipelined: 3 stages measured 15% slower at B = 1 x 32k keys, 6 within
-    1-2% (h200-2026-11-29-session5/sweep_6); eight splits loaded before they were folded made this
-    kernel 10-33% slower at every decode shape (h200-2026-11-29-session6/sweep_7)."""
+    1-2%; eight splits loaded before they were folded made this kernel 10-33% slower at every
+    decode shape (H200, device time)."""
     token = tl.program_id(0)
     head = tl.program_id(1)
     position = tl.load(part_pos_ptr + token)
@@ -356,8 +356,8 @@ def _merge_kernel(part_m_ptr, part_l_ptr, part_a_ptr, part_pos_ptr, out_ptr, str
 
 def _launch_shape(tokens: int, num_seqs: int, group_pad: int) -> dict:
     """Launch shape from the call's shape alone (the query lengths stay on the device): free,
-    chosen for speed on the H200 by bench/speed_sweep.py (results in bench/results/
-    h200-2026-11-29-speed and h200-2026-11-29-session4). ``rows``: token x head rows per program
+    the fastest in device time on the H200 of the shapes bench/speed_sweep.py tries, for the
+    reasons given at each rule. ``rows``: token x head rows per program
     (the MMA tile's M). Programs are numbered head fastest: the programs of one tile (or split)
     read the same pages' K/V of every KV head side by side, and prefill's longest tiles of every head start first
     (tiles fastest started every head's long tiles one head after another: prefill at L = 1024 /
@@ -376,7 +376,7 @@ def _launch_shape(tokens: int, num_seqs: int, group_pad: int) -> dict:
         return dict(base, rows=16, num_warps=4, num_stages=5, decode=True)
     # Prefill, MMA bound: 64 query rows (one warpgroup) per program; 128 rows on 8 warps measured
     # 2-4% slower at L = 2048..8192. K/V by tensor descriptor where the pages allow (64-key pages)
-    # and the call has 1024 query tokens or more: 0.2-2% faster at L = 512..8192 (sweep_6).
+    # and the call has 1024 query tokens or more: 0.2-2% faster at L = 512..8192.
     return dict(base, tma=True, rows=64, num_warps=4, num_stages=2, decode=False)
 
 
@@ -408,9 +408,9 @@ def _decode_programs(programs: int, sms: int) -> tuple[int, int]:
     when they need a second, partial wave (between 3 and 4 per multiprocessor: B = 1 x 32k or 8 x
     4096 keys, 512 programs on 132), programs of two splits (244 registers: 2 per multiprocessor)
     fit in one: 1.17 / 1.27x faster there. Elsewhere one split (two: 1.7x slower at 64 programs,
-    2-5% slower at 4096 programs and more) - bench/results/h200-2026-11-29-session4/sweep_4.
+    2-5% slower at 4096 programs and more).
     Many programs (over 16 per multiprocessor: B >= 8 x 32k, 64 x 4096) run on 2 warps: 2-4%
-    faster at 4096-16384 programs, 3% slower at 512 and at B = 1 (h200-2026-11-29-session5/sweep_6):
+    faster at 4096-16384 programs, 3% slower at 512 and at B = 1:
     the 16-row tile's row max and sum then cross 2 warps instead of 4."""
     if sms == 0:  # not a CUDA device (multiprocessors() is 0): the plain shape
         return 1, 4

@@ -107,9 +107,9 @@ def _combine_kernel(partial_ptr, bias_ptr, out_ptr, M, N, CHUNKS, stride_om, str
 
 
 def _config(m: int, n: int, k: int, k_chunk: int, tma: bool, sms: int) -> dict:
-    """Tiling per shape: free (does not change the bits), chosen for speed on the H200 by sweeps of
-    bench/speed_sweep.py (sweep_call1 in bench/results/h200-2026-11-29-speed, sweep_1/2 in
-    bench/results/h200-2026-11-29-session3). ``tma``: descriptor loads are possible (bf16,
+    """Tiling per shape: free (does not change the bits), the fastest in device time on the H200 of
+    the shapes bench/speed_sweep.py tries per M class, for the reasons given at each rule below.
+    ``tma``: descriptor loads are possible (bf16,
     aligned); ``sms``: the GPU's multiprocessors. Each small-M rule keeps the grid within one wave
     of two programs per multiprocessor: a second, partial wave cost 26-28% (N = 14336 with
     32-wide tiles: 448 programs)."""
