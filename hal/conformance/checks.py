@@ -275,7 +275,9 @@ def op_row_functions(backend: Backend, width: int, out_features: int, dtype: tor
         fns["silu_mul"] = lambda x: backend.silu_mul(x)
     if table is not None and width % 2 == 0:
         def rotary(x):
-            pos = (x.float().abs().sum(-1) * 13).long() % 64
+            # The position comes from the row's own first value, pointwise: a reduction here (torch's
+            # sum) would itself change bits with the batch on a GPU and move the row to another angle.
+            pos = (x[..., 0].float().abs() * 1000).long() % 64
             q, k = backend.rotary(pos, x.unsqueeze(1), x.unsqueeze(1), table)
             return torch.cat([q, k], -1).squeeze(1)
         fns["rotary"] = rotary
