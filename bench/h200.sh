@@ -13,6 +13,7 @@
 # Results go to $OUT (JSON + logs); commit them under bench/results/ with the command used.
 #   KIT_EXAMPLES   hypothesis examples per kit test for kit-quick and negative (default 8)
 #   KIT_SHARDS, KIT_SLICE_TIMEOUT   kit-full: slices run side by side (12) and each one's limit (480 s)
+#   SKIP_INSTALL   set: do not reinstall into /tmp/site (for a second h200.sh run beside a first one)
 #   BENCH_ARGS     extra arguments of bench_cuda.py (e.g. --quick)
 #   SWEEP_ONLY     speed_sweep.py's steps for `sweep` (default attention), timed by CUDA-graph replay
 #   PROFILE_CASES  profile_kernels.py's cases for `profile` (default: all; needs ncu)
@@ -21,8 +22,10 @@ steps=${*:-equal tile kit-quick negative model bench}
 repo=$(pwd)
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . || exit 1
+if [ -z "${SKIP_INSTALL:-}" ]; then  # SKIP_INSTALL=1: a second h200.sh beside a running one reuses its install
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . || exit 1
+fi
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 cd /tmp
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv | tee "$out/gpu.txt"
@@ -46,7 +49,8 @@ for step in $steps; do
               n=${KIT_SHARDS:-12}; kit=/tmp/kit; mkdir -p "$kit"
               export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$kit/triton}
               for i in $(seq 1 "$n"); do
-                timeout "${KIT_SLICE_TIMEOUT:-480}" python3 -m hal.cli conformance --backend cuda --full --shard "$i/$n" \
+                # one OpenMP thread per slice: 12 slices with 16 threads each on 16 cores spin against each other
+                OMP_NUM_THREADS=1 timeout "${KIT_SLICE_TIMEOUT:-480}" python3 -m hal.cli conformance --backend cuda --full --shard "$i/$n" \
                   --resume "$kit/shard_$i.json" > "$kit/shard_$i.log" 2>&1 &
               done
               wait
