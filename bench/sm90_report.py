@@ -18,6 +18,7 @@ it the compiler cannot vectorise loads and the report would describe a kernel no
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -28,7 +29,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from hal.backends.cuda import attention, gemm
+from hal.contract import load_contract
+from hal.kernels import attention, gemm
 
 HOPPER = GPUTarget("cuda", 90, 32)
 TOOLS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -67,12 +69,15 @@ GEMM_TYPES = dict(bias_ptr="*bf16", out_ptr="*bf16", partial_ptr="*fp32", M="i32
                   stride_on="i32")
 
 
+GEMM_512 = dataclasses.replace(load_contract().gemm, k_chunk=512)
+
+
 def gemm_rows(sms: int = 132):
     """The launch shape gemm._config picks for each (M, N, K) of the benchmark, bf16, K chunk 512."""
     seen = set()
     for n, k in [(4096, 4096), (14336, 4096), (4096, 14336), (152064, 4096)]:
         for m in (1, 64, 256, 4096):
-            cfg = gemm._config(m, n, k, 512, tma=True, sms=sms)
+            cfg = gemm._config(m, n, k, GEMM_512, tma=True, sms=sms)
             key = tuple(sorted(cfg.items()))
             if key in seen:
                 continue
@@ -115,7 +120,7 @@ def attention_rows():
         constants = dict(PAGE_SIZE=page, KV_SPLIT=512, GROUP_PAD=4, HEAD_SPLIT=shape["head_split"],
                          SPLITS_PER_PROGRAM=shape["splits_per_program"], HEADS_FASTEST=shape["heads_fastest"],
                          BLOCK_Q=max(1, shape["rows"] // (4 // shape["head_split"])), HEAD_DIM=128,
-                         SPLIT_PARALLEL=shape["decode"], IS_BF16=True, UPCAST=False, BLOCK_N=64,
+                         SPLIT_PARALLEL=shape["decode"], IS_BF16=True, UPCAST=False, KV_CHUNK=64,
                          BLOCK_B=attention.BLOCK_B, TMA=shape["tma"])
         compiled = compile_for_hopper(attention._attention_kernel, types, constants, shape["num_warps"],
                                       shape["num_stages"],

@@ -19,6 +19,7 @@ Steps (--only): overhead, gemm, attention (= prefill + decode), prefill, decode,
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -31,7 +32,9 @@ from triton.runtime.errors import OutOfResources
 import old_kernels
 from bench_cuda import copies, paged_problem, relayout, rotating, sdpa_problem
 from hal.api import create_backend
-from hal.backends.cuda import attention, gemm, logprobs
+from hal.backends.cuda.launch import CUDA_LAUNCH
+from hal.contract import load_contract
+from hal.kernels import attention, gemm, logprobs
 
 v0_gemm = v0_attention = v0_logprobs = None  # the old kernels (--base), set by main()
 
@@ -102,8 +105,17 @@ for _variants in GEMM_VARIANTS.values():  # pointer loads, direct launch unless 
         _cfg.setdefault("GROUP_M", 1)
 
 
+def gemm_spec(k_chunk):
+    """The contract's [gemm] with this K chunk (the old kernels of --base take the bare number)."""
+    return dataclasses.replace(load_contract().gemm, k_chunk=k_chunk)
+
+
+def logprobs_spec(chunk):
+    return dataclasses.replace(load_contract().logprobs, vocab_chunk=chunk)
+
+
 def run_variant(x, w, out_dtype, k_chunk, cfg):
-    return gemm.linear(x, w, None, out_dtype, k_chunk, cfg)
+    return gemm.linear(x, w, None, out_dtype, gemm_spec(k_chunk), cfg, policy=CUDA_LAUNCH)
 
 
 def _times(row) -> str:
@@ -146,7 +158,8 @@ def gemm_sweep(k_chunk, ms, pairs):
                     same, t = None, float("nan")
                     print("out of resources", cfg, str(exc)[:100])
                 row["variants"].append(dict(cfg=cfg, ms=t, equal_v0=same))
-            row["default_ms"] = bench(lambda: gemm.linear(*pairs[next(it) % 4], None, out_dtype, k_chunk))
+            row["default_ms"] = bench(lambda: gemm.linear(*pairs[next(it) % 4], None, out_dtype, gemm_spec(k_chunk),
+                                                          policy=CUDA_LAUNCH))
             best = min((v for v in row["variants"] if v["ms"] == v["ms"]), key=lambda v: v["ms"])
             print(f"gemm {row['shape']:<24} cublas {row['stock_ms']:.4f} v0 {row['v0_ms']:.4f} default "
                   f"{row['default_ms']:.4f} best {best['ms']:.4f} ({best['cfg']}) ratio {row['stock_ms'] / best['ms']:.2f}"
@@ -194,13 +207,12 @@ def _attention_variants(row, sets, spec, variants, ref):
     """Time each launch variant on rotating input sets (graph replays must not run from L2)."""
     def args_of(problem):
         q, kc, vc, meta = problem
-        return (q, kc, vc, meta.query_start_loc, meta.seq_lens, meta.block_table, q.shape[-1] ** -0.5,
-                spec.kv_chunk, spec.kv_split)
+        return (q, kc, vc, meta.query_start_loc, meta.seq_lens, meta.block_table, q.shape[-1] ** -0.5, spec)
     nxt = rotating(sets)
     for lc in variants:
         try:
-            same = torch.equal(attention.paged_attention(*args_of(sets[0]), **lc), ref)
-            t = bench(lambda: attention.paged_attention(*args_of(nxt()), **lc))
+            same = torch.equal(attention.paged_attention(*args_of(sets[0]), policy=CUDA_LAUNCH, **lc), ref)
+            t = bench(lambda: attention.paged_attention(*args_of(nxt()), policy=CUDA_LAUNCH, **lc))
         except OutOfResources:
             same, t = None, float("nan")
         row["variants"].append(dict(cfg=lc, ms=t, equal_v0=same))
@@ -275,8 +287,8 @@ def decode_sweep(spec, layouts=False):
         default = row["variants"][0]
         if not layouts:
             row["kernels_us"] = {name: kernel_times(lambda: attention.paged_attention(
-                q, kc, vc, meta.query_start_loc, meta.seq_lens, meta.block_table, d ** -0.5, spec.kv_chunk,
-                spec.kv_split, **v["cfg"])) for name, v in (("default", default), ("best", best))}
+                q, kc, vc, meta.query_start_loc, meta.seq_lens, meta.block_table, d ** -0.5, spec,
+                policy=CUDA_LAUNCH, **v["cfg"])) for name, v in (("default", default), ("best", best))}
         print(f"decode {row['shape']:<16} sdpa {stock:.4f} default {default['ms']:.4f} best {best['ms']:.4f} "
               f"{best['cfg']} {best.get('layout', '')}{best.get('page', '')} ratio {stock / default['ms']:.2f} -> {stock / best['ms']:.2f} "
               f"{kv_bytes / best['ms'] / 1e6:.0f} GB/s kernels(us) {row.get('kernels_us', '-')} "
@@ -291,14 +303,14 @@ def logprob_sweep(chunk):
     for m in (1, 64, 1024):
         logits = torch.randn(m, 152064, device="cuda", dtype=torch.float32) * 4
         ids = torch.randint(0, 152064, (m,), device="cuda")
-        same = torch.equal(logprobs.token_logprobs(logits, ids, 1.0, chunk),
+        same = torch.equal(logprobs.token_logprobs(logits, ids, 1.0, logprobs_spec(chunk)),
                            v0_logprobs.token_logprobs(logits, ids, 1.0, chunk))
         row = dict(op="token_logprobs", shape=f"M={m}", equal_v0=same,
-                   ms=bench(lambda: logprobs.token_logprobs(logits, ids, 1.0, chunk)),
+                   ms=bench(lambda: logprobs.token_logprobs(logits, ids, 1.0, logprobs_spec(chunk))),
                    v0_ms=bench(lambda: v0_logprobs.token_logprobs(logits, ids, 1.0, chunk)),
                    stock_ms=bench(lambda: torch.log_softmax(logits, -1).gather(-1, ids[:, None])),
-                   graph_ms=graph_ms(lambda: logprobs.token_logprobs(logits, ids, 1.0, chunk)),
-                   host_us=host_us(lambda: logprobs.token_logprobs(logits, ids, 1.0, chunk)))
+                   graph_ms=graph_ms(lambda: logprobs.token_logprobs(logits, ids, 1.0, logprobs_spec(chunk))),
+                   host_us=host_us(lambda: logprobs.token_logprobs(logits, ids, 1.0, logprobs_spec(chunk))))
         print(f"logprobs M={m:<5} torch {row['stock_ms']:.4f} v0 {row['v0_ms']:.4f} new {row['ms']:.4f} "
               f"graph {row['graph_ms']:.4f} host {row['host_us']:.0f}us equal={same}", flush=True)
         rows.append(row)
@@ -318,13 +330,15 @@ def overhead_rows(k_chunk):
     tma = dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, tma=True, num_warps=4, num_stages=6)
     pointer = dict(tma, tma=False, num_stages=4)
     backend = create_backend("cuda")
+    spec = gemm_spec(k_chunk)
     for name, fn in [("torch.mm M=1", lambda: torch.mm(x, w.T)),
-                     ("gemm.linear M=1", lambda: gemm.linear(x, w, None, bf, k_chunk)),
+                     ("gemm.linear M=1", lambda: gemm.linear(x, w, None, bf, spec, policy=CUDA_LAUNCH)),
                      ("backend.linear M=1", lambda: backend.linear(x, w)),
                      ("v0 linear M=1", lambda: v0_gemm.linear(x, w, None, bf, k_chunk)),
                      ("torch.mm M=64", lambda: torch.mm(x64, w.T)),
-                     ("gemm.linear M=64 TMA", lambda: gemm.linear(x64, w, None, bf, k_chunk, tma)),
-                     ("gemm.linear M=64 pointer", lambda: gemm.linear(x64, w, None, bf, k_chunk, pointer)),
+                     ("gemm.linear M=64 TMA", lambda: gemm.linear(x64, w, None, bf, spec, tma, policy=CUDA_LAUNCH)),
+                     ("gemm.linear M=64 pointer", lambda: gemm.linear(x64, w, None, bf, spec, pointer,
+                                                                      policy=CUDA_LAUNCH)),
                      ("2 descriptors", lambda: (TensorDescriptor.from_tensor(x64, [64, 128]),
                                                 TensorDescriptor.from_tensor(w, [32, 128]))),
                      ("torch.empty", lambda: torch.empty(16, device="cuda"))]:

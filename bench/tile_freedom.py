@@ -12,6 +12,7 @@ contract number (k_chunk, kv_chunk, row block) and checks that the bits *do* cha
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -25,9 +26,10 @@ from hal.kvcache import PageAllocator, PagedKVCache, build_metadata, cache_tenso
 
 
 def gemm_cases(backend, g):
-    from hal.backends.cuda import gemm
+    from hal.backends.cuda.launch import CUDA_LAUNCH
+    from hal.kernels import gemm
 
-    k_chunk = backend.contract.gemm.k_chunk
+    spec = backend.contract.gemm
     results = []
     # Each launch shape is a separate compilation (~1.5 s): a few shapes that straddle the
     # direct/split-K choice, both MMA families (BLOCK_M 16 -> mma.sync, 64/128 -> wgmma) and
@@ -47,20 +49,22 @@ def gemm_cases(backend, g):
                 cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, split=split,
                            tma=tma)
                 try:
-                    outs.append(gemm.linear(x, w, bias, torch.float32, k_chunk, cfg))
+                    outs.append(gemm.linear(x, w, bias, torch.float32, spec, cfg, policy=CUDA_LAUNCH))
                 except OutOfResources:  # a tile that does not fit in shared memory: not a launch shape
                     continue
                 configs.append(cfg)
             same = [torch.equal(outs[0], o) for o in outs]
-            other = gemm.linear(x, w, bias, torch.float32, k_chunk // 2, configs[0])
+            half = dataclasses.replace(spec, k_chunk=spec.k_chunk // 2)
+            other = gemm.linear(x, w, bias, torch.float32, half, configs[0], policy=CUDA_LAUNCH)
             results.append(dict(kernel="gemm", shape=f"M={m} N={n} K={k}", dtype=str(dtype), launches=len(configs),
                                 identical=sum(same), contract_change_changes_bits=not torch.equal(outs[0], other)))
     return results
 
 
 def attention_cases(backend, g):
-    from hal.backends.cuda import attention
-    from hal.backends.cuda.common import next_power_of_2
+    from hal.backends.cuda.launch import CUDA_LAUNCH
+    from hal.kernels import attention
+    from hal.kernels.common import next_power_of_2
 
     spec = backend.contract.attention
     results = []
@@ -89,20 +93,21 @@ def attention_cases(backend, g):
                                                            (True, 16, 4, 5, group_pad, True, 1),
                                                            (False, 16, 4, 2, group_pad, True, 1),
                                                            (True, 4, 4, 5, 1, True, 2), (True, 2, 8, 4, 1, False, 3)]]
-            outs = [attention.paged_attention(*args, spec.kv_chunk, spec.kv_split, **lc) for lc in launches]
+            outs = [attention.paged_attention(*args, spec, policy=CUDA_LAUNCH, **lc) for lc in launches]
             # The caches' memory order (hal.kvcache): the same keys stored head-major (HND).
             hnd = [cache_tensor(cache.num_pages, page, hkv, head_dim, dtype, "cuda", "HND").copy_(t)
                    for t in (cache.k, cache.v)]
             for lc in (launches[1], launches[6]):
-                outs.append(attention.paged_attention(q, *hnd, *args[3:], spec.kv_chunk, spec.kv_split, **lc))
+                outs.append(attention.paged_attention(q, *hnd, *args[3:], spec, policy=CUDA_LAUNCH, **lc))
             # K/V by tensor descriptor (64-key pages, bf16): both orders, in-kernel and parallel splits.
             if page % spec.kv_chunk == 0 and dtype == torch.bfloat16:
                 for caches, lc in (((cache.k, cache.v), launches[0]), ((cache.k, cache.v), launches[6]),
                                    (hnd, launches[1]), (hnd, launches[2])):
-                    outs.append(attention.paged_attention(q, *caches, *args[3:], spec.kv_chunk, spec.kv_split,
+                    outs.append(attention.paged_attention(q, *caches, *args[3:], spec, policy=CUDA_LAUNCH,
                                                           **lc, tma=True))
             same = [torch.equal(outs[0], o) for o in outs]
-            other = attention.paged_attention(*args, spec.kv_chunk // 2, spec.kv_split, **launches[0])
+            half = dataclasses.replace(spec, kv_chunk=spec.kv_chunk // 2)
+            other = attention.paged_attention(*args, half, policy=CUDA_LAUNCH, **launches[0])
             results.append(dict(kernel="attention", shape=f"seq_lens={seq_lens} q_lens={q_lens} heads={heads} "
                                 f"D={head_dim} page={page} (+ HND order, + TMA at 64-key pages)", dtype=str(dtype),
                                 launches=len(outs),
@@ -116,24 +121,28 @@ def row_cases(backend, g):
     and 2-D cases above. So the row kernels pin num_warps as a function of the block width only
     (rows.py, logprobs.py); this records that warps are *not* free there, and checks the contract's
     row-block size still decides the bits."""
-    from hal.backends.cuda import logprobs, rows
+    from hal.kernels import logprobs, rows
 
     results = []
-    block = backend.contract.rms_norm.row_block
+    norm, reduce = backend.contract.rms_norm, backend.contract.reduce
+    block = norm.row_block
     for rows_n, width in [(77, 5120), (1024, 8192)]:
         x = random_tensor((rows_n, width), torch.float32, g, device="cuda", spread=3)
         w = random_tensor((width,), torch.float32, g, device="cuda")
-        for kernel, run in (("rms_norm", lambda blk, nw: rows.rms_norm(x, w, 1e-6, None, blk, num_warps=nw)[0]),
-                            ("sum", lambda blk, nw: rows.reduce_last(x, False, blk, num_warps=nw))):
+        for kernel, run in (("rms_norm", lambda blk, nw: rows.rms_norm(
+                                x, w, 1e-6, None, dataclasses.replace(norm, row_block=blk), num_warps=nw)[0]),
+                            ("sum", lambda blk, nw: rows.reduce_last(
+                                x, False, dataclasses.replace(reduce, row_block=blk), num_warps=nw))):
             outs = [run(block, nw) for nw in (2, 8)]
             results.append(dict(kernel=kernel, shape=f"rows={rows_n} width={width}", dtype="torch.float32",
                                 launches=2, identical=sum(torch.equal(outs[0], o) for o in outs), free=False,
                                 contract_change_changes_bits=not torch.equal(outs[0], run(block // 4, 2))))
-    chunk = backend.contract.logprobs.vocab_chunk
+    spec = backend.contract.logprobs
     for rows_n, vocab in [(64, 152064), (256, 32000)]:
         logits = random_tensor((rows_n, vocab), torch.float32, g, device="cuda", scale=5.0)
-        outs = [logprobs.log_softmax(logits, 0.8, chunk, num_warps=nw) for nw in (4, 8)]
-        other = logprobs.log_softmax(logits, 0.8, chunk // 2, num_warps=4)
+        outs = [logprobs.log_softmax(logits, 0.8, spec, num_warps=nw) for nw in (4, 8)]
+        half = dataclasses.replace(spec, vocab_chunk=spec.vocab_chunk // 2)
+        other = logprobs.log_softmax(logits, 0.8, half, num_warps=4)
         results.append(dict(kernel="log_softmax", shape=f"rows={rows_n} vocab={vocab}", dtype="torch.float32",
                             launches=len(outs), identical=sum(torch.equal(outs[0], o) for o in outs), free=False,
                             contract_change_changes_bits=not torch.equal(outs[0], other)))

@@ -68,6 +68,7 @@ def resolve_contract(backend_cls: type[Backend], contract: str | Contract | None
             f"backend {backend_cls.name!r} does not realise contract {contract.name!r}; it realises: "
             f"{', '.join(backend_cls.contracts)}. Choose one of those (contract=..., HAL_CONTRACT) or a "
             f"backend that realises {contract.name!r} (`hal doctor`, `hal contract list`).")
+    backend_cls.check_realises(contract)  # its values within the backend's capabilities (UnsupportedError)
     return contract
 
 

@@ -13,9 +13,10 @@ K reduced dim, N output features, V vocabulary, P page size.
 from __future__ import annotations
 
 import abc
+import dataclasses
 import functools
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, Callable, ClassVar, Mapping
 
 import torch
 
@@ -39,6 +40,82 @@ class Probe:
     @classmethod
     def missing(cls, reason: str, **details) -> "Probe":
         return cls(False, reason, "", details)
+
+
+@dataclass(frozen=True)
+class Allowed:
+    """The values of one contract key that a backend realises: ``check`` decides, ``says`` is how the
+    refusal and ``hal doctor`` put it."""
+
+    says: str
+    check: Callable[[Any], bool] = field(compare=False)
+    #: exactly one value (an enumerated choice the backend implements, not a range of numbers)
+    single: bool = False
+
+    @classmethod
+    def one_of(cls, *values: Any) -> "Allowed":
+        return cls(" or ".join(repr(v) for v in values), lambda v: v in values, single=len(values) == 1)
+
+    @classmethod
+    def powers_of_two(cls, low: int, high: int) -> "Allowed":
+        return cls(f"a power of two in {low}..{high}", lambda v: low <= v <= high and v & (v - 1) == 0)
+
+    @classmethod
+    def multiples_of(cls, step: int) -> "Allowed":
+        return cls(f"a multiple of {step}", lambda v: v > 0 and v % step == 0)
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can realise, as data: checked when the backend is bound to a contract (a contract
+    it cannot realise is refused then, with the reason, not at the first launch), checked by the ops
+    (head dims), read by the conformance kit (``unsupported``) and shown by ``hal doctor``.
+
+    ``contract_values`` maps a contract key (``"attention.kv_chunk"``) to the values the backend
+    realises; a key that is not listed is realised for every value the contract schema accepts."""
+
+    #: names of the contracts it realises (empty: no invariance claims, e.g. the baseline)
+    contracts: tuple[str, ...] = ()
+    #: activation dtypes it realises them for
+    dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float32)
+    #: (op, dtype) combinations it declares missing, e.g. (("attention", torch.float32),); the
+    #: conformance kit does not test them and reports them as unsupported instead of failing them
+    unsupported: tuple[tuple[str, torch.dtype], ...] = ()
+    #: attention head dims (None: any)
+    head_dims: tuple[int, ...] | None = None
+    #: KV-cache page sizes (None: any)
+    page_sizes: tuple[int, ...] | None = None
+    #: "section.key" -> the values of that contract key it realises
+    contract_values: Mapping[str, Allowed] = field(default_factory=dict)
+
+    def refusals(self, contract: Contract) -> list[str]:
+        """Why ``contract`` cannot be realised: one line per contract value outside ``contract_values``
+        (empty: it can be)."""
+        reasons = []
+        for key, allowed in self.contract_values.items():
+            section, name = key.split(".")
+            value = getattr(getattr(contract, section), name)
+            if not allowed.check(value):
+                reasons.append(f"[{section}].{name} = {value!r} (realised: {allowed.says})")
+        return reasons
+
+    def table(self) -> list[tuple[str, str]]:
+        """(what, values) rows for ``hal doctor``."""
+        def listed(values):
+            return "any" if values is None else ", ".join(str(v) for v in values) or "none"
+        rows = [("contracts", listed(self.contracts) if self.contracts else "none (baseline)"),
+                ("dtypes", listed(str(d).removeprefix("torch.") for d in self.dtypes)),
+                ("head dims", listed(self.head_dims)), ("page sizes", listed(self.page_sizes))]
+        if self.unsupported:
+            rows.append(("not realised", ", ".join(f"{op} {str(d).removeprefix('torch.')}"
+                                                   for op, d in self.unsupported)))
+        choices = [key for key, allowed in self.contract_values.items() if allowed.single]
+        rows += [(f"[{key.replace('.', '].', 1)}", allowed.says) for key, allowed in self.contract_values.items()
+                 if not allowed.single]
+        if choices:
+            rows.append(("enumerated keys", f"{len(choices)} pinned to one value each (the values of "
+                                            f"`hal contract show`)"))
+        return rows
 
 
 @dataclass(frozen=True)
@@ -78,21 +155,42 @@ class Backend(abc.ABC):
     description: ClassVar[str] = ""
     #: "accelerator" backends take part in automatic selection; "cpu" and "baseline" do not
     kind: ClassVar[str] = "accelerator"
-    #: names of the contracts this backend realises (empty: no invariance claims, e.g. the baseline)
+    #: what it realises (contracts, dtypes, head dims, page sizes, contract values), as data
+    capabilities: ClassVar[Capabilities] = Capabilities()
+    # ``contracts``, ``dtypes`` and ``unsupported`` are the capabilities' fields, mirrored as class
+    # attributes (the registry, the kit and integrations read them); a subclass declares either the
+    # whole ``capabilities`` or overrides one of the three, and ``__init_subclass__`` keeps both in step.
     contracts: ClassVar[tuple[str, ...]] = ()
-    #: activation dtypes it realises them for
-    dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.bfloat16, torch.float32)
-    #: (op, dtype) combinations it declares missing, as data, e.g. (("attention", torch.float32),); the
-    #: conformance kit does not test them and reports them as unsupported instead of failing them
+    dtypes: ClassVar[tuple[torch.dtype, ...]] = Capabilities.dtypes
     unsupported: ClassVar[tuple[tuple[str, torch.dtype], ...]] = ()
 
     def __init__(self, contract: Contract | None, device: torch.device | str | None = None):
-        if contract is not None and contract.name not in self.contracts:
-            raise ContractMismatchError(
-                f"backend {self.name!r} does not realise contract {contract.name!r}; it realises: "
-                f"{', '.join(self.contracts) or 'no contract (it is a non-conforming baseline)'}")
+        if contract is not None:
+            self.check_realises(contract)
         self.contract = contract
         self.device = torch.device(device) if device is not None else self.default_device()
+
+    @classmethod
+    def check_realises(cls, contract: Contract, capabilities: Capabilities | None = None) -> None:
+        """Refuse, when it is bound, a contract this backend cannot realise: one it does not name, or
+        one whose values lie outside its capabilities (``capabilities``: a narrower set chosen at
+        construction, e.g. by an implementation path)."""
+        capabilities = capabilities or cls.capabilities
+        if contract.name not in capabilities.contracts:
+            raise ContractMismatchError(
+                f"backend {cls.name!r} does not realise contract {contract.name!r}; it realises: "
+                f"{', '.join(capabilities.contracts) or 'no contract (it is a non-conforming baseline)'}")
+        refusals = capabilities.refusals(contract)
+        if refusals:
+            raise UnsupportedError(
+                f"backend {cls.name!r} cannot realise contract {contract} from {contract.source}: "
+                f"{'; '.join(refusals)}. Use a contract within these values (`hal doctor` lists each "
+                f"backend's) or another backend")
+
+    def check_head_dim(self, op: str, head_dim: int) -> None:
+        if self.capabilities.head_dims is not None and head_dim not in self.capabilities.head_dims:
+            raise UnsupportedError(f"{self.name}.{op}: head dim {head_dim} is not realised; supported: "
+                                   f"{list(self.capabilities.head_dims)}")
 
     # -- identity -----------------------------------------------------------------------------
 
@@ -246,6 +344,12 @@ class Backend(abc.ABC):
         """Every op a subclass defines runs the shared input checks first (``_INPUT_CHECKS``): one
         place, so no backend can forget one, and an empty batch never reaches a kernel."""
         super().__init_subclass__(**kwargs)
+        overrides = {k: cls.__dict__[k] for k in ("contracts", "dtypes", "unsupported") if k in cls.__dict__}
+        if "capabilities" in cls.__dict__ or overrides:
+            cls.capabilities = dataclasses.replace(cls.capabilities, **overrides)
+        cls.contracts = cls.capabilities.contracts
+        cls.dtypes = cls.capabilities.dtypes
+        cls.unsupported = cls.capabilities.unsupported
         for op, check in _INPUT_CHECKS.items():
             impl = cls.__dict__.get(op)
             if impl is not None and not getattr(impl, "_hal_checked", False):

@@ -37,6 +37,7 @@ def _doctor(args: argparse.Namespace) -> int:
     for row in rows:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[-1])
     print()
+    _print_capabilities(discover())
     # A default that cannot be created (HAL_BACKEND naming nothing installed, several accelerators)
     # breaks every command that relies on it: report it as the error, after the table that helps fix it.
     default_error = None
@@ -54,6 +55,20 @@ def _doctor(args: argparse.Namespace) -> int:
     if default_error is not None:
         raise default_error
     return 1 if problems else 0
+
+
+def _print_capabilities(installed: dict) -> None:
+    """Each loadable backend's declared capabilities (``Backend.capabilities``), as ``hal doctor`` shows them."""
+    print("capabilities (a contract outside them is refused when the backend is bound to it):")
+    for name, info in installed.items():
+        if info.cls is None:
+            continue
+        print(f"  {name}")
+        rows = info.cls.capabilities.table()
+        width = max(len(what) for what, _ in rows)
+        for what, values in rows:
+            print(f"    {what.ljust(width)}  {values}")
+    print()
 
 
 def _vllm_plugin_status() -> str:

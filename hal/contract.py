@@ -17,6 +17,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
+import struct
 import sys
 from dataclasses import dataclass, field
 from importlib import resources
@@ -75,6 +77,12 @@ def _power_of_two(v: int) -> bool:
 DTYPES = ("bfloat16", "float32")
 
 
+def _ranges(n: int, size: int) -> list[tuple[int, int]]:
+    """[start, end) of the pieces of ``size`` at absolute offsets 0, size, 2 size, ... covering 0..n
+    (the last may be short)."""
+    return [(start, min(start + size, n)) for start in range(0, n, size)]
+
+
 # ---------------------------------------------------------------------------------------------
 # The sections.
 # ---------------------------------------------------------------------------------------------
@@ -98,6 +106,16 @@ class Gemm:
     bias: str = _choice("fp32_before_rounding", doc="bias added in fp32 to the combined sum, before the output rounding")
     output_rounding: str = _choice("nearest_even", doc="the single rounding to the output dtype")
     logits_dtype: str = _choice("float32", doc="dtype of lm_head outputs (no rounding to the activation dtype)")
+
+    # The rules derived from these values, written once for every backend and the kit.
+
+    def chunk_count(self, k: int) -> int:
+        """How many K chunks a reduced dim of ``k`` has (the last may be short; 0 when k = 0)."""
+        return -(-k // self.k_chunk)
+
+    def chunk_ranges(self, k: int) -> list[tuple[int, int]]:
+        """[start, end) of each K chunk of a reduced dim of ``k``, in the order their sums are added."""
+        return _ranges(k, self.k_chunk)
 
 
 @dataclass(frozen=True)
@@ -123,6 +141,26 @@ class Attention:
                                                          "acc=fl(fl(acc*alpha)+pv)")
     output: str = _choice("divide_rn_then_round", doc="out = round(fl32(acc / l)) to the activation dtype")
     gqa: str = _choice("head_div_group", doc="query head h reads KV head h // (num_q_heads // num_kv_heads)")
+
+    # The rules derived from these values, written once for every backend and the kit.
+
+    def split_size(self, context: int) -> int:
+        """Keys per KV split for a context of ``context`` keys: kv_split; kv_split = 0 means no split,
+        i.e. one split over the whole context, counted in whole KV chunks (at least one chunk), so a
+        split is always a multiple of kv_chunk and covers the context."""
+        if self.kv_split:
+            return self.kv_split
+        return max(1, -(-context // self.kv_chunk)) * self.kv_chunk
+
+    def split_count(self, context: int) -> int:
+        """How many KV splits a context of ``context`` keys has (at least one)."""
+        return max(1, -(-context // self.split_size(context)))
+
+    def folded_scale(self, scale: float) -> float:
+        """The factor every score is multiplied by ([attention].scale = "folded_log2e"):
+        fl32(scale * log2 e), computed as scale / ln 2 in fp64 and rounded once to fp32 (nearest
+        even). Returned as the Python float that holds that fp32 value exactly."""
+        return struct.unpack("<f", struct.pack("<f", scale / math.log(2.0)))[0]
 
 
 @dataclass(frozen=True)
@@ -162,6 +200,10 @@ class Logprobs:
     exp: str = _choice("exp", doc="natural exp of fl32(x - max)")
     log: str = _choice("log", doc="logp = fl32(fl32(x - max) - log(sum))")
 
+    def chunk_ranges(self, vocab: int) -> list[tuple[int, int]]:
+        """[start, end) of each vocabulary chunk, in the order their sums are added."""
+        return _ranges(vocab, self.vocab_chunk)
+
 
 @dataclass(frozen=True)
 class Reduce:
@@ -169,6 +211,10 @@ class Reduce:
     row_block: int = _int(_positive_multiple_of(16), "a positive multiple of 16",
                           "reduced in blocks of row_block at absolute offsets, block sums added ascending")
     mean: str = _choice("div_rn", doc="mean = fl32(sum / n)")
+
+    def block_ranges(self, width: int) -> list[tuple[int, int]]:
+        """[start, end) of each row block of a reduced dim of ``width``, in the order their sums are added."""
+        return _ranges(width, self.row_block)
 
 
 @dataclass(frozen=True)

@@ -363,7 +363,7 @@ def test_cann_attention_calls_flash_attention_npu_with_one_split_and_no_heuristi
 
 def test_ascend_tiles_fit_the_unified_buffer_and_keep_block_k_fixed():
     for in_bytes in (2, 4):
-        cfgs = [tiles.gemm_config(m, n, 4096, 512, in_bytes) for m in (1, 16, 17, 64, 65, 4096)
+        cfgs = [tiles.gemm_config(m, n, 4096, CONTRACT.gemm, in_bytes) for m in (1, 16, 17, 64, 65, 4096)
                 for n in (64, 4096, 152064)]
         assert len({c["BLOCK_K"] for c in cfgs}) == 1, "BLOCK_K must not depend on M or N"
         assert all(tiles.gemm_ub_bytes(c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], in_bytes) <= tiles.UB_BYTES
@@ -388,8 +388,9 @@ def emulated():
 
 
 def test_ascend_gemm_tiles_are_batch_invariant_under_the_interpreter(emulated):
-    from hal.backends.cuda import gemm
+    from hal.backends.ascend.launch import ASCEND_LAUNCH
     from hal.conformance.checks import random_tensor, row_invariance
+    from hal.kernels import gemm
 
     g = torch.Generator().manual_seed(0)
     for dtype in (torch.bfloat16, torch.float32):
@@ -399,7 +400,8 @@ def test_ascend_gemm_tiles_are_batch_invariant_under_the_interpreter(emulated):
         assert row_invariance("linear", lambda x: emulated.linear(x, w), rows, [1, 2, 17, 33, 70], g) == []
         # every Ascend config (same BLOCK_K) gives the same bits on one input
         x = rows[:20]
-        outs = [gemm.linear(x, w, None, torch.float32, 512, tiles.gemm_config(m, 40, 1100, 512, x.element_size()))
+        outs = [gemm.linear(x, w, None, torch.float32, CONTRACT.gemm,
+                            tiles.gemm_config(m, 40, 1100, CONTRACT.gemm, x.element_size()), policy=ASCEND_LAUNCH)
                 for m in (1, 20, 100)]
         assert all(torch.equal(outs[0], o) for o in outs[1:])
         other = AscendBackend(replace(CONTRACT, "gemm", k_chunk=256), "cpu", path="triton")

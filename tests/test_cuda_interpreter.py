@@ -13,10 +13,24 @@ import os
 import subprocess
 import sys
 
+import dataclasses
+
 import pytest
 import torch
 
+from hal.contract import load_contract
+
 pytest.importorskip("triton")
+
+CONTRACT = load_contract("bf16-dense-v1")
+
+
+def _gemm_spec(k_chunk):
+    return dataclasses.replace(CONTRACT.gemm, k_chunk=k_chunk)
+
+
+def _attention_spec(kv_chunk, kv_split):
+    return dataclasses.replace(CONTRACT.attention, kv_chunk=kv_chunk, kv_split=kv_split)
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +60,9 @@ def test_probe_reports_the_interpreter_as_emulated_and_automatic_selection_skips
 
 
 def test_gemm_launch_shapes_give_the_same_bits_and_match_the_reference(cuda, reference):
-    from hal.backends.cuda import gemm
+    from hal.backends.cuda.launch import CUDA_LAUNCH
     from hal.conformance.checks import random_tensor
+    from hal.kernels import gemm
 
     g = torch.Generator().manual_seed(0)
     for dtype, (m, n, k) in ((torch.bfloat16, (5, 40, 1100)), (torch.float32, (17, 33, 600))):
@@ -56,10 +71,10 @@ def test_gemm_launch_shapes_give_the_same_bits_and_match_the_reference(cuda, ref
         b = random_tensor((n,), dtype, g)
         # BLOCK_K stays fixed here: the interpreter's dot adds a whole BLOCK_K-wide numpy product to
         # the accumulator, so unlike the GPU's MMA (k16 steps) its bits depend on BLOCK_K.
-        outs = [gemm.linear(x, w, b, torch.float32, 512, cfg) for cfg in (
+        outs = [gemm.linear(x, w, b, torch.float32, _gemm_spec(512), cfg, policy=CUDA_LAUNCH) for cfg in (
             dict(split=False), dict(split=True), dict(BLOCK_M=32, BLOCK_N=16, split=False))]
         assert all(torch.equal(outs[0], o) for o in outs[1:]), "launch shape changed the bits"
-        other_chunk = gemm.linear(x, w, b, torch.float32, 256, dict(split=False))
+        other_chunk = gemm.linear(x, w, b, torch.float32, _gemm_spec(256), dict(split=False), policy=CUDA_LAUNCH)
         assert not torch.equal(outs[0], other_chunk), "k_chunk does not reach the kernel"
         ref = reference.linear(x, w, b, out_dtype=torch.float32)
         magnitude = x.double().abs() @ w.double().abs().T + b.double().abs()
@@ -70,8 +85,9 @@ def test_gemm_launch_shapes_give_the_same_bits_and_match_the_reference(cuda, ref
 def test_attention_across_kv_chunks_and_splits(cuda, reference, page_size):
     """One sequence of 530 keys (crossing kv_chunk 64 and kv_split 512) with batch-mates: the
     in-kernel and the parallel split-KV paths, several query-tile sizes, prefill vs decode."""
-    from hal.backends.cuda import attention
+    from hal.backends.cuda.launch import CUDA_LAUNCH
     from hal.conformance.checks import AttentionCase, run_schedule
+    from hal.kernels import attention
 
     spec = cuda.contract.attention
     case = AttentionCase(530, 2, 1, 64, torch.bfloat16, seed=3)
@@ -91,23 +107,24 @@ def test_attention_across_kv_chunks_and_splits(cuda, reference, page_size):
     k_cache, v_cache = k_cache.view(pages, page_size, 1, 64), v_cache.view(pages, page_size, 1, 64)
     meta = build_metadata([40], [530], [list(range(pages))])
     args = (q[-40:].contiguous(), k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_table,
-            64 ** -0.5, spec.kv_chunk, spec.kv_split)
+            64 ** -0.5, spec)
     # Launch shapes: split-KV parallelism (one or both splits per program), query tiles, one program
     # per query head of the GQA group (head_split=2) and the program numbering.
     launches = [dict(split_parallel=sp, block_q=bq, head_split=hs, heads_fastest=hf, splits_per_program=g)
                 for sp, bq, hs, hf, g in ((False, 32, 1, False, 1), (True, 32, 1, False, 1), (False, 8, 1, True, 1),
                                           (True, 1, 1, False, 1), (True, 4, 2, True, 1), (False, 16, 2, False, 1),
                                           (True, 8, 2, False, 2), (True, 1, 1, True, 3))]
-    outs = [attention.paged_attention(*args, **launch) for launch in launches]
+    outs = [attention.paged_attention(*args, policy=CUDA_LAUNCH, **launch) for launch in launches]
     assert all(torch.equal(outs[0], o) for o in outs[1:]), "a launch shape changed the bits"
     assert torch.equal(outs[0], full[-40:])
     # Negative control: the contract's split size does reach the bits of these rows.
-    other_split = attention.paged_attention(*args[:-1], spec.kv_split // 2, **launches[0])
+    half_split = dataclasses.replace(spec, kv_split=spec.kv_split // 2)
+    other_split = attention.paged_attention(*args[:-1], half_split, policy=CUDA_LAUNCH, **launches[0])
     assert not torch.equal(outs[0], other_split), "kv_split does not reach the kernel"
     with pytest.raises(ValueError, match="head_split"):
-        attention.paged_attention(*args, head_split=4)  # a group of 2 query heads cannot be cut in 4
+        attention.paged_attention(*args, policy=CUDA_LAUNCH, head_split=4)  # a group of 2 query heads cannot be cut in 4
     with pytest.raises(ValueError, match="splits_per_program"):
-        attention.paged_attention(*args, split_parallel=True, splits_per_program=-1)
+        attention.paged_attention(*args, policy=CUDA_LAUNCH, split_parallel=True, splits_per_program=-1)
 
 
 def test_cache_memory_order_is_free_and_a_misread_order_is_caught(cuda, reference):
@@ -151,7 +168,8 @@ def test_attention_finds_each_tile_sequence_on_the_device(cuda, reference):
     """No host metadata: each program finds its sequence in query_start_loc. 130 ragged sequences
     (more than one 128-wide scan step), some without queries; a sequence's rows must be the same
     alone as in the batch, in-kernel or with parallel splits."""
-    from hal.backends.cuda import attention
+    from hal.backends.cuda.launch import CUDA_LAUNCH
+    from hal.kernels import attention
     from hal.kvcache import build_metadata
 
     g = torch.Generator().manual_seed(1)
@@ -168,14 +186,17 @@ def test_attention_finds_each_tile_sequence_on_the_device(cuda, reference):
     meta = build_metadata(q_lens, seq_lens, page_lists)
     batch = cuda.attention(q, k, v, meta, scale=d ** -0.5)
     # 16-key chunks and 32-key splits: several splits per sequence at these lengths
+    chunks_16_splits_32 = _attention_spec(16, 32)
     parallel = attention.paged_attention(q, k, v, meta.query_start_loc, meta.seq_lens, meta.block_table, d ** -0.5,
-                                         16, 32, split_parallel=True)
+                                         chunks_16_splits_32, policy=CUDA_LAUNCH, split_parallel=True)
     per_head = attention.paged_attention(q, k, v, meta.query_start_loc, meta.seq_lens, meta.block_table, d ** -0.5,
-                                         16, 32, split_parallel=True, head_split=2, heads_fastest=True)
+                                         chunks_16_splits_32, policy=CUDA_LAUNCH, split_parallel=True, head_split=2,
+                                         heads_fastest=True)
     assert torch.equal(parallel, per_head), "one program per query head changed the bits"
     # 16-key splits (up to 3 per sequence): programs of 1, 2 or 3 consecutive splits, and the in-kernel walk
     by_split = [attention.paged_attention(q, k, v, meta.query_start_loc, meta.seq_lens, meta.block_table, d ** -0.5,
-                                          16, 16, split_parallel=sp, splits_per_program=g)
+                                          _attention_spec(16, 16), policy=CUDA_LAUNCH, split_parallel=sp,
+                                          splits_per_program=g)
                 for sp, g in ((True, 1), (True, 2), (True, 3), (False, 1))]
     assert all(torch.equal(by_split[0], o) for o in by_split[1:]), "splits per program changed the bits"
     assert not torch.equal(by_split[0], parallel), "kv_split does not reach the kernel"  # negative control
@@ -185,7 +206,7 @@ def test_attention_finds_each_tile_sequence_on_the_device(cuda, reference):
         rows = slice(starts[b], starts[b + 1])
         assert torch.equal(cuda.attention(q[rows], k, v, alone, scale=d ** -0.5), batch[rows]), b
         serial = attention.paged_attention(q[rows], k, v, alone.query_start_loc, alone.seq_lens, alone.block_table,
-                                           d ** -0.5, 16, 32, split_parallel=False)
+                                           d ** -0.5, chunks_16_splits_32, policy=CUDA_LAUNCH, split_parallel=False)
         assert torch.equal(serial, parallel[rows]), b
     ref = reference.attention(q, k, v, meta, scale=d ** -0.5)
     assert bool(((batch.float() - ref.float()).abs() <= 2 ** -6 * (1 + ref.float().abs())).all())
@@ -231,7 +252,7 @@ def test_gpu_gemm_launch_shapes_fit_hopper_and_the_contract(monkeypatch):
     """The GPU branch of gemm._config (not run by the interpreter): every shape class, with and
     without descriptor loads. A launch shape that breaks these fails on the GPU at compile time
     or changes the K chunking; the checker itself must flag a bad shape (negative control)."""
-    from hal.backends.cuda import gemm
+    from hal.kernels import gemm
 
     monkeypatch.setattr(gemm, "INTERPRET", False)
     seen = 0
@@ -239,7 +260,7 @@ def test_gpu_gemm_launch_shapes_fit_hopper_and_the_contract(monkeypatch):
         for n, k in ((40, 1100), (4096, 4096), (14336, 4096), (4096, 14336), (152064, 4096)):
             for tma in (True, False):
                 for sms in (78, 132):
-                    cfg = gemm._config(m, n, k, 512, tma=tma, sms=sms)
+                    cfg = gemm._config(m, n, k, _gemm_spec(512), tma=tma, sms=sms)
                     assert _launch_problems(cfg, 512, tma) == [], (m, n, k, tma, cfg)
                     seen += 1
     assert seen == 10 * 5 * 2 * 2
@@ -252,8 +273,9 @@ def test_masked_nan_keys_contribute_nothing_on_every_launch_path(cuda):
     (chunks of 64, splits of 128, pages of 48: the last page part-filled, one spare page). NaN/Inf
     in V of key 190 and in the slots past seq_len: queries before 190 keep the clean bits on the
     in-kernel split walk and on parallel splits + merge, unmasked (below-diagonal) chunks included."""
-    from hal.backends.cuda import attention
+    from hal.backends.cuda.launch import CUDA_LAUNCH
     from hal.conformance.checks import random_tensor
+    from hal.kernels import attention
     from hal.kvcache import build_metadata
 
     g = torch.Generator().manual_seed(11)
@@ -268,7 +290,7 @@ def test_masked_nan_keys_contribute_nothing_on_every_launch_path(cuda):
 
     def run(k, v, launch):
         return attention.paged_attention(q, k, v, meta.query_start_loc, meta.seq_lens, meta.block_table,
-                                         64 ** -0.5, 64, 128, **launch)
+                                         64 ** -0.5, _attention_spec(64, 128), policy=CUDA_LAUNCH, **launch)
 
     clean = run(k_cache, v_cache, launches[0])
     k, v = k_cache.clone(), v_cache.clone()

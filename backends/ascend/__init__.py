@@ -10,8 +10,8 @@ missing piece of the chosen path makes the backend unavailable, it never falls b
           attention through flash-attention-npu's ``flash_attn_with_kvcache`` (num_splits=1) or the
           op package's batch-invariant fused-inference-attention (``HAL_ASCEND_ATTENTION``);
           RMSNorm as add, then ``npu_rms_norm``; SiLU*up as plain torch ops. ``cann_ops.py``
-  triton  the cuda backend's Triton kernels on triton-ascend with tiles fitted to the unified
-          buffer (``tiles.py``). ``triton_ops.py``
+  triton  the shared Triton kernels (``hal.kernels``) on triton-ascend with tiles fitted to the
+          unified buffer (``tiles.py``, passed in as the launch policy of ``launch.py``). ``triton_ops.py``
 Every numerics-relevant NPU argument is a pure function of the contract (``mapping.py``); the
 determinism and precision settings are applied at construction and read back (``settings.py``);
 ``numerics_report()`` returns both with the contract fingerprint.
@@ -22,12 +22,37 @@ every piece of the chosen path and a device are present, with ``verified_on_hard
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
 
-from hal.backend import AttentionMetadata, Backend, Probe
+from hal.backend import Allowed, AttentionMetadata, Backend, Capabilities, Probe
+from hal.backends.ascend.mapping import HEAD_DIMS, KNOWN
 from hal.errors import UnsupportedError
+
+#: What both paths realise: the enumerated contract choices the mapping knows (``mapping.KNOWN``).
+#: What one path adds is checked at construction: ``path_capabilities``; what depends on a call's
+#: shapes (a context longer than kv_split on the cann path, a tile that outgrows the unified buffer)
+#: is refused per call.
+CAPABILITIES = Capabilities(
+    contracts=("bf16-dense-v1",),
+    dtypes=(torch.bfloat16, torch.float32),
+    head_dims=HEAD_DIMS,
+    page_sizes=None,  # any: the cann path re-blocks the cache, the triton kernels read any page size
+    contract_values={f"{section}.{key}": Allowed.one_of(value)
+                     for section, values in KNOWN.items() for key, value in values.items()},
+)
+
+
+def path_capabilities(path: str) -> Capabilities:
+    """The capabilities of one path: the triton path adds the shared kernels' limits (row blocks and
+    vocabulary chunks are single tiles, the KV chunk is the key tile)."""
+    if path != "triton":
+        return CAPABILITIES
+    from hal.kernels.realises import CONTRACT_VALUES
+
+    return dataclasses.replace(CAPABILITIES, contract_values={**CAPABILITIES.contract_values, **CONTRACT_VALUES})
 
 
 def _interpreting() -> bool:
@@ -38,8 +63,7 @@ class AscendBackend(Backend):
     name = "ascend"
     description = "Huawei Ascend NPUs: CANN batch-invariant ops + flash-attention-npu, or triton-ascend"
     kind = "accelerator"
-    contracts = ("bf16-dense-v1",)
-    dtypes = (torch.bfloat16, torch.float32)
+    capabilities = CAPABILITIES
 
     @classmethod
     def probe(cls) -> Probe:
@@ -72,6 +96,9 @@ class AscendBackend(Backend):
             raise UnsupportedError("ascend: a CPU device is only accepted for the triton path under "
                                    "TRITON_INTERPRET=1 (emulation for CI)")
         super().__init__(contract, device)
+        self.capabilities = path_capabilities(self.path)
+        if self.contract is not None:
+            self.check_realises(self.contract, self.capabilities)
         mapping.check_contract(self.contract)
         self.emulated = emulated
         # Settings: applied and read back at selection; a wrong read-back refuses the backend.
@@ -117,6 +144,7 @@ class AscendBackend(Backend):
     def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, *, scale):
         self.check_dtype("attention", q, k_cache, v_cache)
         self.check_devices("attention", q, k_cache, v_cache)
+        self.check_head_dim("attention", q.shape[-1])
         if q.shape[0] == 0:
             return torch.empty_like(q)
         return self._ops.attention(q, k_cache, v_cache, meta, scale)

@@ -45,7 +45,7 @@ class CannOps:
         """x2 (M, K) @ weight (N, K).T: one mm per K chunk in fp32, chunk sums added ascending."""
         m, k = x2.shape
         total = torch.zeros((m, weight.shape[0]), dtype=torch.float32, device=x2.device)
-        for start, end in mapping.chunks(k, self.gemm.k_chunk):
+        for start, end in self.contract.gemm.chunk_ranges(k):
             a = x2[:, start:end].float().contiguous()
             b = weight[:, start:end].float().t().contiguous()
             total = total + self.ops.npu_mm_batch_invariant(a, b)

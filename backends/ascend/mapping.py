@@ -71,11 +71,6 @@ def check_contract(contract: Contract) -> None:
         raise UnsupportedError("ascend: [logprobs].vocab_chunk must be positive")
 
 
-def chunks(n: int, size: int) -> list[tuple[int, int]]:
-    """[start, end) of the chunks of ``size`` at absolute offsets 0, size, ... covering n."""
-    return [(s, min(s + size, n)) for s in range(0, n, size)]
-
-
 # ---------------------------------------------------------------------------------------------
 # GEMM (cann path)
 # ---------------------------------------------------------------------------------------------
@@ -136,7 +131,7 @@ def attention_args(contract: Contract, impl: str, *, num_q_heads: int, num_kv_he
     if num_kv_heads <= 0 or num_q_heads % num_kv_heads:
         raise UnsupportedError(f"ascend attention: {num_q_heads} query heads are not a multiple of "
                                f"{num_kv_heads} KV heads")
-    if spec.kv_split and max_seq_len > spec.kv_split:
+    if spec.split_count(max_seq_len) > 1:
         # A single-split kernel over more than kv_split keys is not the contract's split merge, and
         # the kernels return (out, lse), not the (m, l, acc) the contract merges.
         raise UnsupportedError(
@@ -197,14 +192,14 @@ def silu_mul_args(contract: Contract) -> dict:
 def reduce_args(contract: Contract, width: int) -> dict:
     check_known(contract, "reduce")
     return dict(op="torch.ops.batch_invariant_ops.npu_reduce_sum_batch_invariant", dim=-1, keepdim=False,
-                dtype="float32", blocks=chunks(width, contract.reduce.row_block), combine="ascending fp32")
+                dtype="float32", blocks=contract.reduce.block_ranges(width), combine="ascending fp32")
 
 
 def logprobs_args(contract: Contract, vocab: int) -> dict:
     check_known(contract, "logprobs")
     return dict(sum_op="torch.ops.batch_invariant_ops.npu_reduce_sum_batch_invariant", dtype="float32",
                 temperature="divide first (skipped when T == 1)",
-                chunks=chunks(vocab, contract.logprobs.vocab_chunk), combine="ascending fp32")
+                chunks=contract.logprobs.chunk_ranges(vocab), combine="ascending fp32")
 
 
 def describe(contract: Contract, attention_impl: str) -> dict:
@@ -213,7 +208,7 @@ def describe(contract: Contract, attention_impl: str) -> dict:
     try:
         out["attention"] = attention_args(contract, attention_impl, num_q_heads=32, num_kv_heads=8,
                                           head_dim=128, scale=128 ** -0.5,
-                                          max_seq_len=contract.attention.kv_split or 4096)
+                                          max_seq_len=contract.attention.split_size(4096))
     except UnsupportedError as exc:
         out["attention"] = {"unsupported": str(exc)}
     return out

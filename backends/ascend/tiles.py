@@ -1,7 +1,7 @@
 """Tile configurations for the triton-ascend path, fitted to the Ascend unified buffer.
 
-The triton-ascend path launches the cuda backend's Triton kernels (the same source, so the same
-reduction structure) with tiles chosen here. Why different tiles: on Ascend a program's vector
+The triton-ascend path launches the shared Triton kernels (``hal.kernels``: the same source, so the
+same reduction structure) with tiles chosen here (through ``launch.py``). Why different tiles: on Ascend a program's vector
 tiles live in the unified buffer (UB, 192 KB on Atlas A2) and the compiler rejects tiles that do
 not fit; ``tl.dot`` is fp32-accumulating with ``ieee`` precision (the kernels pass
 ``input_precision="ieee"`` for fp32 and bf16 products are exact in fp32).
@@ -19,6 +19,7 @@ the real allocation is the compiler's and has not been measured on an NPU.
 
 from __future__ import annotations
 
+from hal.contract import Gemm
 from hal.errors import UnsupportedError
 
 UB_BYTES = 192 * 1024
@@ -45,10 +46,10 @@ def gemm_block_k(k_chunk: int, in_bytes: int) -> int:
     return bk
 
 
-def gemm_config(m: int, n: int, k: int, k_chunk: int, in_bytes: int) -> dict:
-    """A config for ``hal.backends.cuda.gemm.linear(..., config=)``; only BLOCK_M/BLOCK_N/split vary with M."""
-    bk = gemm_block_k(k_chunk, in_bytes)
-    chunks = -(-k // k_chunk)
+def gemm_config(m: int, n: int, k: int, spec: Gemm, in_bytes: int) -> dict:
+    """Tiles for ``hal.kernels.gemm.linear`` (over its own table); only BLOCK_M/BLOCK_N/split vary with M."""
+    bk = gemm_block_k(spec.k_chunk, in_bytes)
+    chunks = spec.chunk_count(k)
     if m <= 16:
         bm, bn, split = 16, 128, chunks > 1
     elif m <= 64:

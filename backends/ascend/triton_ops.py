@@ -1,4 +1,4 @@
-"""The triton path: the cuda backend's Triton kernel source, launched with Ascend tiles (triton-ascend).
+"""The triton path: the shared Triton kernels (``hal.kernels``), launched with Ascend tiles (triton-ascend).
 
 Why reuse: the kernels' source *is* the contract's reduction structure (K chunks, KV chunks and
 splits, row blocks, vocabulary chunks, the rounding points); on Ascend only the tiling must change
@@ -17,49 +17,38 @@ from __future__ import annotations
 import torch
 
 from hal.backends.ascend import mapping, tiles
-from hal.errors import UnsupportedError
 
 
 class TritonOps:
     def __init__(self, contract):
         mapping.check_contract(contract)
         self.contract = contract
-        from hal.backends.cuda import attention, gemm, logprobs, rows
-        from hal.backends.cuda.common import INTERPRET
+        from hal.backends.ascend.launch import ASCEND_LAUNCH
+        from hal.kernels import attention, gemm, logprobs, rows
+        from hal.kernels.common import INTERPRET
 
         if INTERPRET:
-            from hal.backends.cuda.interpreter import patch_row_dot
+            from hal.kernels.interpreter import patch_row_dot
 
             patch_row_dot()
         self._gemm, self._attention, self._rows, self._logprobs = gemm, attention, rows, logprobs
+        self._launch = ASCEND_LAUNCH
         tiles.row_block_fits(contract.rms_norm.row_block)
         tiles.row_block_fits(contract.reduce.row_block, tiles=2)
         tiles.row_block_fits(contract.logprobs.vocab_chunk, tiles=2)
 
     def linear(self, x2, weight, bias, out_dtype):
-        m, k = x2.shape
-        k_chunk = self.contract.gemm.k_chunk
-        cfg = tiles.gemm_config(m, weight.shape[0], k, k_chunk, x2.element_size())
-        return self._gemm.linear(x2, weight, bias, out_dtype, k_chunk, cfg)
+        return self._gemm.linear(x2, weight, bias, out_dtype, self.contract.gemm, policy=self._launch)
 
     def attention(self, q, k_cache, v_cache, meta, scale):
-        spec = self.contract.attention
-        _, q_heads, head_dim = q.shape
-        if head_dim not in mapping.HEAD_DIMS or q_heads % k_cache.shape[2]:
-            raise UnsupportedError(f"ascend attention: head dim must be one of {mapping.HEAD_DIMS} and query heads a "
-                                   f"multiple of KV heads; got q {tuple(q.shape)}, cache {tuple(k_cache.shape)}")
-        starts = meta.query_start_loc.tolist()
-        max_q = max(starts[i + 1] - starts[i] for i in range(len(starts) - 1))
-        block_q = tiles.attention_block_q(spec.kv_chunk, head_dim, q_heads // k_cache.shape[2], q.element_size(),
-                                          max_q)
         return self._attention.paged_attention(
             q.contiguous(), k_cache, v_cache, meta.query_start_loc.to(torch.int32), meta.seq_lens.to(torch.int32),
-            meta.block_table.to(torch.int32), scale, spec.kv_chunk, spec.kv_split, block_q=block_q)
+            meta.block_table.to(torch.int32), scale, self.contract.attention, policy=self._launch)
 
     def rms_norm(self, x, weight, eps, residual):
         out, res_out = self._rows.rms_norm(x.contiguous(), weight, eps,
                                            None if residual is None else residual.contiguous(),
-                                           self.contract.rms_norm.row_block)
+                                           self.contract.rms_norm)
         return out if residual is None else (out, res_out)
 
     def silu_mul(self, gate_up):
@@ -69,14 +58,14 @@ class TritonOps:
         return (self._rows.rotary(positions, q.contiguous(), table), self._rows.rotary(positions, k.contiguous(), table))
 
     def sum(self, x2):
-        return self._rows.reduce_last(x2.contiguous(), False, self.contract.reduce.row_block)
+        return self._rows.reduce_last(x2.contiguous(), False, self.contract.reduce)
 
     def mean(self, x2):
-        return self._rows.reduce_last(x2.contiguous(), True, self.contract.reduce.row_block)
+        return self._rows.reduce_last(x2.contiguous(), True, self.contract.reduce)
 
     def log_softmax(self, logits, temperature):
-        return self._logprobs.log_softmax(logits.contiguous(), float(temperature), self.contract.logprobs.vocab_chunk)
+        return self._logprobs.log_softmax(logits.contiguous(), float(temperature), self.contract.logprobs)
 
     def token_logprobs(self, logits, token_ids, temperature):
         return self._logprobs.token_logprobs(logits.contiguous(), token_ids.contiguous(), float(temperature),
-                                             self.contract.logprobs.vocab_chunk)
+                                             self.contract.logprobs)

@@ -1,13 +1,12 @@
-"""The ``cuda`` backend: Triton kernels that realise the contract on NVIDIA GPUs.
+"""The ``cuda`` backend: the shared Triton kernels (``hal.kernels``) on NVIDIA GPUs.
 
 Installed as ``hal.backends.cuda``. This module stays cheap to import: triton and the kernels are
 imported by ``probe()`` and ``__init__`` only.
 
-Where each kernel's reduction order is written down (the comment at the top of each file):
-  gemm.py       GEMM: K chunks of [gemm].k_chunk, ascending; direct or split-K launches
-  attention.py  unified paged attention: KV chunks of [attention].kv_chunk, splits of kv_split
-  rows.py       RMSNorm (+residual), sum/mean: row blocks; SiLU*up and rotary (pointwise)
-  logprobs.py   log-softmax / token logprobs: vocabulary chunks of [logprobs].vocab_chunk
+What is NVIDIA's here: the probe (compute capability), the launch policy (``launch.py``: the
+multiprocessor count the kernels size their waves by) and the capabilities (which contract values
+the kernels with their H200 tile table realise). The reduction order of each op is written at the top
+of its kernel module in ``hal/kernels/``.
 Top-k uses ``torch.sort(stable=True)``: comparison only, no arithmetic, so any correct stable sort
 gives the contract's bits (value descending, ties to the lower index). The KV-cache write is the
 base class's exact indexed copy.
@@ -23,11 +22,24 @@ import os
 
 import torch
 
-from hal.backend import AttentionMetadata, Backend, Probe
+from hal.backend import Allowed, AttentionMetadata, Backend, Capabilities, Probe
 from hal.errors import UnsupportedError
+from hal.kernels.realises import CONTRACT_VALUES, HEAD_DIMS
 
 MIN_CAPABILITY = (8, 0)  # bf16 tensor-core MMA
-HEAD_DIMS = (64, 128)
+
+CAPABILITIES = Capabilities(
+    contracts=("bf16-dense-v1",),
+    dtypes=(torch.bfloat16, torch.float32),
+    head_dims=HEAD_DIMS,
+    page_sizes=None,  # any: a KV chunk that crosses pages is loaded key by key
+    contract_values={
+        **CONTRACT_VALUES,
+        # The GEMM's tile table (hal.kernels.gemm._config) steps through a K chunk in BLOCK_K of up
+        # to 256; a chunk must hold whole steps.
+        "gemm.k_chunk": Allowed.multiples_of(256),
+    },
+)
 
 
 def _interpreting() -> bool:
@@ -38,8 +50,7 @@ class CudaBackend(Backend):
     name = "cuda"
     description = "Triton kernels for NVIDIA GPUs (or Triton's CPU interpreter with TRITON_INTERPRET=1)"
     kind = "accelerator"
-    contracts = ("bf16-dense-v1",)
-    dtypes = (torch.bfloat16, torch.float32)
+    capabilities = CAPABILITIES
 
     @classmethod
     def probe(cls) -> Probe:
@@ -65,13 +76,15 @@ class CudaBackend(Backend):
 
     def __init__(self, contract, device=None):
         super().__init__(contract, device)
-        from hal.backends.cuda import attention, gemm, logprobs, rows
+        from hal.backends.cuda.launch import CUDA_LAUNCH
+        from hal.kernels import attention, gemm, logprobs, rows
 
         if _interpreting():
-            from hal.backends.cuda.interpreter import patch_row_dot
+            from hal.kernels.interpreter import patch_row_dot
 
             patch_row_dot()
         self._gemm, self._attention, self._rows, self._logprobs = gemm, attention, rows, logprobs
+        self._launch = CUDA_LAUNCH
 
     # -- GEMM ---------------------------------------------------------------------------------
 
@@ -79,7 +92,7 @@ class CudaBackend(Backend):
         out_dtype = self.check_linear(x, weight, bias, out_dtype)
         self.check_devices("linear", x, weight, bias)
         x2 = x.reshape(-1, x.shape[-1])
-        out = self._gemm.linear(x2, weight, bias, out_dtype, self.contract.gemm.k_chunk)
+        out = self._gemm.linear(x2, weight, bias, out_dtype, self.contract.gemm, policy=self._launch)
         return out.reshape(*x.shape[:-1], weight.shape[0])
 
     # -- attention and the KV cache -----------------------------------------------------------
@@ -87,16 +100,13 @@ class CudaBackend(Backend):
     def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, *, scale):
         self.check_dtype("attention", q, k_cache, v_cache)
         self.check_devices("attention", q, k_cache, v_cache)
-        if q.shape[-1] not in HEAD_DIMS or q.shape[1] % k_cache.shape[2]:
-            raise UnsupportedError(f"attention: head dim must be one of {HEAD_DIMS} and query heads a multiple of "
-                                   f"KV heads; got q {tuple(q.shape)}, cache {tuple(k_cache.shape)}")
+        self.check_head_dim("attention", q.shape[-1])
         if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
             raise UnsupportedError(f"attention: the caches' head_dim must be contiguous (stride 1); got strides "
                                    f"{k_cache.stride()} and {v_cache.stride()}")
-        spec = self.contract.attention
         return self._attention.paged_attention(
             q.contiguous(), k_cache, v_cache, meta.query_start_loc.to(torch.int32), meta.seq_lens.to(torch.int32),
-            meta.block_table.to(torch.int32), scale, spec.kv_chunk, spec.kv_split)
+            meta.block_table.to(torch.int32), scale, self.contract.attention, policy=self._launch)
 
     # -- row and pointwise ops ----------------------------------------------------------------
 
@@ -104,7 +114,7 @@ class CudaBackend(Backend):
         self.check_dtype("rms_norm", *([x, weight] if residual is None else [x, weight, residual]))
         out, res_out = self._rows.rms_norm(x.contiguous(), weight, eps,
                                            None if residual is None else residual.contiguous(),
-                                           self.contract.rms_norm.row_block)
+                                           self.contract.rms_norm)
         return out if residual is None else (out, res_out)
 
     def silu_mul(self, gate_up):
@@ -121,19 +131,18 @@ class CudaBackend(Backend):
 
     def log_softmax(self, logits, temperature=1.0):
         self.check_logits(logits, temperature)
-        return self._logprobs.log_softmax(logits.contiguous(), float(temperature),
-                                          self.contract.logprobs.vocab_chunk)
+        return self._logprobs.log_softmax(logits.contiguous(), float(temperature), self.contract.logprobs)
 
     def token_logprobs(self, logits, token_ids, temperature=1.0):
         self.check_logits(logits, temperature)
         return self._logprobs.token_logprobs(logits.contiguous(), token_ids.contiguous(), float(temperature),
-                                             self.contract.logprobs.vocab_chunk)
+                                             self.contract.logprobs)
 
     def sum(self, x, dim=-1):
-        return self._rows.reduce_last(x.movedim(dim, -1).contiguous(), False, self.contract.reduce.row_block)
+        return self._rows.reduce_last(x.movedim(dim, -1).contiguous(), False, self.contract.reduce)
 
     def mean(self, x, dim=-1):
-        return self._rows.reduce_last(x.movedim(dim, -1).contiguous(), True, self.contract.reduce.row_block)
+        return self._rows.reduce_last(x.movedim(dim, -1).contiguous(), True, self.contract.reduce)
 
     def topk(self, x, k):
         self.check_topk(x, k)

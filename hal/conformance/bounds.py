@@ -62,7 +62,7 @@ def accuracy_problems(backend: Backend, op: str, size: int, width: int, dtype: t
         for out_dtype in (dtype, torch.float32):
             got = backend.linear(x, w, b, out_dtype=out_dtype).cpu()
             exact = oracle.linear(x.cpu(), w.cpu(), b.cpu())
-            chunks = math.ceil(width / backend.contract.gemm.k_chunk) if backend.contract else 1
+            chunks = backend.contract.gemm.chunk_count(width) if backend.contract else 1
             mag = x.cpu().double().abs() @ w.cpu().double().abs().T + b.cpu().double().abs()
             bound = (2 * math.ceil(width / 16) + 2 * chunks + 2) * U * mag
             if out_dtype == dtype:

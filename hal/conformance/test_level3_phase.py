@@ -12,7 +12,8 @@ from hal.conformance.kit import dtypes_for, run_check, run_examples
 
 def _lengths(backend, depth):
     a = backend.contract.attention if backend.contract else None
-    chunk, split = (a.kv_chunk, a.kv_split or 4 * a.kv_chunk) if a else (64, 512)
+    # Without a split (kv_split = 0) the lengths still probe the span of four chunks.
+    chunk, split = (a.kv_chunk, a.split_size(4 * a.kv_chunk)) if a else (64, 512)
     around = [1, 2, chunk - 1, chunk, chunk + 1] + ([] if depth == "tiny" else [2 * chunk + 3])
     if depth == "full":
         around += [split - 1, split, split + 1, 2 * split + chunk + 5]

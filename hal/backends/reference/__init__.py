@@ -53,10 +53,9 @@ class ReferenceBackend(Backend):
         x2 = x.reshape(-1, k)
         # [gemm]: K in chunks of k_chunk at absolute offsets, each a correctly rounded fp32 sum,
         # chunk sums added in ascending order in fp32, bias added in fp32, one output rounding.
-        k_chunk = self.contract.gemm.k_chunk
         acc = None
-        for start in range(0, k, k_chunk):
-            part = matmul_fp32(x2[:, start:start + k_chunk], weight[:, start:start + k_chunk].T)
+        for start, end in self.contract.gemm.chunk_ranges(k):
+            part = matmul_fp32(x2[:, start:end], weight[:, start:end].T)
             acc = part if acc is None else acc + part
         if acc is None:
             acc = torch.zeros(x2.shape[0], weight.shape[0], device=x.device)

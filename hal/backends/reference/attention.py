@@ -3,7 +3,8 @@
 Reduction structure (bf16-dense-v1: kv_chunk = 64, kv_split = 512):
   score[i, j] = correctly rounded fp32 of q_i . k_j            (head-dim dot, order-free)
   s[i, j]     = fl32(score * fl32(scale * log2 e))
-  keys are visited in splits of kv_split at absolute positions 0, S, 2S, ... (one split if 0);
+  keys are visited in splits of S = split_size(seq_len) at absolute positions 0, S, 2S, ...
+  (kv_split; one split over the whole context when it is 0);
   inside a split, KV chunks of kv_chunk keys at absolute positions c*C, in ascending order:
       masked keys (j > position of query i) are selected out before the max
       m'    = max(m, max_j s)                                  (exact)
@@ -23,8 +24,6 @@ how many queries share the call, where the prefill was cut, or how the pages are
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 
@@ -62,8 +61,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     check_attention_inputs(q, k_cache, v_cache, meta)
     hq, hkv, page = q.shape[1], k_cache.shape[2], k_cache.shape[1]
     head_map = torch.arange(hq, device=q.device) // (hq // hkv)          # [attention].gqa
-    # fl32(scale * log2 e): the product in fp64, one rounding.
-    scale_log2e = torch.tensor(scale / math.log(2.0), dtype=torch.float64).float().to(q.device)
+    scale_log2e = torch.tensor(spec.folded_scale(scale), dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
     starts, seq_lens, table = meta.host_lists()
     for b, seq_len in enumerate(seq_lens):
@@ -89,7 +87,7 @@ def _online_softmax(s: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, s
     heads, q_len, seq_len = s.shape
     dtype = v.dtype
     chunk = spec.kv_chunk
-    split = spec.kv_split or seq_len
+    split = spec.split_size(seq_len)
     keys = torch.arange(seq_len, device=s.device)
     big_m = torch.full((heads, q_len), _NEG_INF, device=s.device)
     big_l = torch.zeros((heads, q_len), device=s.device)

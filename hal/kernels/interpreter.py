@@ -1,4 +1,4 @@
-"""Running the cuda backend's kernels under Triton's CPU interpreter (``TRITON_INTERPRET=1``), for CI.
+"""Running the shared Triton kernels under Triton's CPU interpreter (``TRITON_INTERPRET=1``), for CI.
 
 The interpreter evaluates ``tl.dot`` with one numpy matmul per tile. Numpy's BLAS may round a row
 differently depending on its position inside the tile (seen with OpenBLAS' Haswell kernel on rows

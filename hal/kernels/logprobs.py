@@ -1,4 +1,4 @@
-"""Vocabulary-chunked log-softmax and per-token log-probabilities for the cuda backend.
+"""Vocabulary-chunked log-softmax and per-token log-probabilities.
 
 Reduction structure (contract [logprobs], read from ``vocab_chunk``):
   x = fl32(logit / T) (skipped when T == 1); M = row max (exact, any order);
@@ -19,7 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from hal.backends.cuda.common import LAUNCH, zero_scalar
+from hal.contract import Logprobs
+from hal.kernels.common import LAUNCH, zero_scalar
 
 
 @triton.jit
@@ -92,12 +93,13 @@ def _row_stats(logits: torch.Tensor, temperature: float, chunk: int, token_ids: 
     return stats
 
 
-def log_softmax(logits: torch.Tensor, temperature: float, chunk: int, num_warps: int = 8) -> torch.Tensor:
+def log_softmax(logits: torch.Tensor, temperature: float, spec: Logprobs, num_warps: int = 8) -> torch.Tensor:
+    """fp32 (M, V) log-softmax of logits / temperature, summed in vocabulary chunks of ``spec.vocab_chunk``."""
     rows, vocab = logits.shape
     out = torch.empty((rows, vocab), device=logits.device, dtype=torch.float32)
     if rows == 0:
         return out
-    stats = _row_stats(logits, temperature, chunk, num_warps=num_warps)
+    stats = _row_stats(logits, temperature, spec.vocab_chunk, num_warps=num_warps)
     block = 4096
     _log_softmax_out_kernel[(rows, triton.cdiv(vocab, block))](logits, stats, out, vocab, logits.stride(0),
                                                               out.stride(0), temperature,
@@ -105,9 +107,10 @@ def log_softmax(logits: torch.Tensor, temperature: float, chunk: int, num_warps:
     return out
 
 
-def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, temperature: float, chunk: int) -> torch.Tensor:
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, temperature: float, spec: Logprobs) -> torch.Tensor:
+    """fp32 (M,) log-probability of each row's token, the row summed as in ``log_softmax``."""
     rows = logits.shape[0]
     out = torch.empty(rows, device=logits.device, dtype=torch.float32)
     if rows:
-        _row_stats(logits, temperature, chunk, token_ids, out)
+        _row_stats(logits, temperature, spec.vocab_chunk, token_ids, out)
     return out

@@ -1,4 +1,4 @@
-"""Helpers shared by the Triton kernels of the cuda backend.
+"""Helpers shared by the Triton kernels (every vendor that runs them).
 
 Two things every kernel must get right, whatever its tiling:
 
@@ -13,10 +13,8 @@ Two things every kernel must get right, whatever its tiling:
 
 from __future__ import annotations
 
-import functools
 import os
 
-import torch
 import triton
 import triton.language as tl
 
@@ -24,18 +22,6 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 # Launch options for every kernel: see the module docstring.
 LAUNCH = {"enable_fp_fusion": False}
-
-
-def multiprocessors(device: torch.device) -> int:
-    """The GPU's streaming multiprocessors (launch shapes are sized in waves of programs on them);
-    0 for a device that is not a CUDA GPU (the Ascend backend launches these kernels with its own
-    tiles; the wave rules then keep their default)."""
-    return _cuda_multiprocessors(device.index or 0) if device.type == "cuda" else 0
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_multiprocessors(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 @triton.jit

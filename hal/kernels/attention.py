@@ -1,8 +1,9 @@
-"""Unified paged attention (prefill, chunked prefill, decode, training) for the cuda backend.
+"""Unified paged attention (prefill, chunked prefill, decode, training).
 
-Reduction structure (contract [attention], read from ``kv_chunk`` and ``kv_split``):
+Reduction structure (contract [attention], read from the ``Attention`` section: ``kv_chunk``,
+``split_size``, ``folded_scale``):
   s = fl32(q.k * fl32(scale * log2 e)); keys in splits of KV_SPLIT at absolute positions 0, S, ...;
-  inside a split, chunks of KV_CHUNK keys at absolute positions (BLOCK_N == KV_CHUNK), ascending:
+  inside a split, chunks of KV_CHUNK keys at absolute positions (KV_CHUNK is also the key tile), ascending:
       masked keys are selected out (-inf) before the row max; a row with no visible key in the
       chunk keeps its state untouched; a masked key's NaN/Inf V never reaches P @ V (selected to 0;
       an output element whose row sees a non-finite V entry is NaN; ``_chunk``)
@@ -36,15 +37,13 @@ host synchronisation, so a call costs two launches at most and can be captured i
 
 from __future__ import annotations
 
-import math
-
-import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-from hal.backends.cuda.common import (INTERPRET, LAUNCH, multiprocessors, next_power_of_2, round_to_bf16, to_activation,
-                                      zero_scalar)
+from hal.contract import Attention
+from hal.kernels.common import INTERPRET, LAUNCH, next_power_of_2, round_to_bf16, to_activation, zero_scalar
+from hal.kernels.policy import LaunchPolicy
 
 BLOCK_B = 128  # sequences scanned per step when a program looks for its sequence
 
@@ -84,15 +83,15 @@ def _coordinates(HEADS_FASTEST: tl.constexpr):
 @triton.jit
 def _chunk(q, m, l, acc, n0, b, kvh, positions, seq_len, q_row_ok, ones, k_cache_ptr, v_cache_ptr, block_table_ptr,
            stride_bt, stride_kp, stride_kr, stride_kh, scale_log2e, offs_d,
-           PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, IS_BF16: tl.constexpr,
+           PAGE_SIZE: tl.constexpr, KV_CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr, IS_BF16: tl.constexpr,
            UPCAST: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr):
     """One KV chunk of the recurrence in the module docstring. MASKED=False only for chunks every
     row of the tile sees entirely; the unmasked formulas are the masked ones with every key visible.
     TMA: the chunk lies in one page and the caches are tensor descriptors of 2-D views whose rows
-    are one token apart (row stride ``stride_kr``): one head's BLOCK_N keys are a (BLOCK_N,
+    are one token apart (row stride ``stride_kr``): one head's KV_CHUNK keys are a (KV_CHUNK,
     HEAD_DIM) block at the row and column of its first element. The copy engine brings the same
     K/V rows (keys past the sequence are zeroed below, as the masked pointer loads zero them)."""
-    keys = n0 + tl.arange(0, BLOCK_N)
+    keys = n0 + tl.arange(0, KV_CHUNK)
     if TMA:
         page = tl.load(block_table_ptr + b * stride_bt + n0 // PAGE_SIZE)
         first = page.to(tl.int64) * stride_kp + kvh * stride_kh + (n0 % PAGE_SIZE) * stride_kr
@@ -103,9 +102,9 @@ def _chunk(q, m, l, acc, n0, b, kvh, positions, seq_len, q_row_ok, ones, k_cache
         if MASKED:
             key_ok = keys < seq_len
             v = tl.where(key_ok[:, None], v, 0.0)  # never-written slots may hold NaN: 0 * NaN is NaN
-    elif PAGE_SIZE % BLOCK_N == 0:  # the chunk lies in one page
+    elif PAGE_SIZE % KV_CHUNK == 0:  # the chunk lies in one page
         page = tl.load(block_table_ptr + b * stride_bt + n0 // PAGE_SIZE).to(tl.int64)
-        kv_rows = page * stride_kp + (n0 % PAGE_SIZE + tl.arange(0, BLOCK_N)) * stride_kr
+        kv_rows = page * stride_kp + (n0 % PAGE_SIZE + tl.arange(0, KV_CHUNK)) * stride_kr
     else:
         if MASKED:
             page = tl.load(block_table_ptr + b * stride_bt + keys // PAGE_SIZE, mask=keys < seq_len, other=0)
@@ -144,7 +143,7 @@ def _chunk(q, m, l, acc, n0, b, kvh, positions, seq_len, q_row_ok, ones, k_cache
         # per row. Instead non-finite V entries are selected to 0 before the dot (finite values
         # pass unchanged: no bit changes for finite inputs), and the (row, dim) outputs whose row
         # sees a non-finite V entry are set to NaN after the update; "sees" is a dot of 0/1 indicators
-        # (counts <= BLOCK_N, exact in any dot). Only masked chunks pay for this.
+        # (counts <= KV_CHUNK, exact in any dot). Only masked chunks pay for this.
         v_bad = (v != v) | (tl.abs(v) == float("inf"))
         v = tl.where(v_bad, 0.0, v)
         if IS_BF16 and not UPCAST:
@@ -211,23 +210,23 @@ def _store_split(part_m_ptr, part_l_ptr, part_a_ptr, m, l, acc, split_index, row
 
 @triton.jit
 def _end_of_chunk(big_m, big_l, big_a, m, l, acc, n0, hi, q_row_ok, positions, token, head, num_q_heads, max_splits,
-                  part_m_ptr, part_l_ptr, part_a_ptr, offs_d, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                  part_m_ptr, part_l_ptr, part_a_ptr, offs_d, HEAD_DIM: tl.constexpr, KV_CHUNK: tl.constexpr,
                   KV_SPLIT: tl.constexpr, SPLIT_PARALLEL: tl.constexpr, SPLITS_PER_PROGRAM: tl.constexpr):
     """After the chunk at n0: if it was its split's last chunk, hand the split on and restart the
     split state. An in-kernel walk merges it into (M, L, A); a program of parallel splits stores it
     as that split's partial (its last split is stored after the loop). Rows that see the split only."""
     if SPLIT_PARALLEL:
         if SPLITS_PER_PROGRAM > 1:
-            if ((n0 + BLOCK_N) % KV_SPLIT == 0) & (n0 + BLOCK_N < hi):
-                start = n0 + BLOCK_N - KV_SPLIT
+            if ((n0 + KV_CHUNK) % KV_SPLIT == 0) & (n0 + KV_CHUNK < hi):
+                start = n0 + KV_CHUNK - KV_SPLIT
                 _store_split(part_m_ptr, part_l_ptr, part_a_ptr, m, l, acc, start // KV_SPLIT,
                              q_row_ok & (positions >= start), token, head, num_q_heads, max_splits, offs_d, HEAD_DIM)
                 m = tl.full(m.shape, float("-inf"), dtype=tl.float32)
                 l = tl.zeros(l.shape, dtype=tl.float32)
                 acc = tl.zeros(acc.shape, dtype=tl.float32)
     else:
-        if (n0 + BLOCK_N) % KV_SPLIT == 0:
-            merging = q_row_ok & (positions >= n0 + BLOCK_N - KV_SPLIT)
+        if (n0 + KV_CHUNK) % KV_SPLIT == 0:
+            merging = q_row_ok & (positions >= n0 + KV_CHUNK - KV_SPLIT)
             big_m, big_l, big_a = _merge(big_m, big_l, big_a, m, l, acc, merging)
             m = tl.full(m.shape, float("-inf"), dtype=tl.float32)
             l = tl.zeros(l.shape, dtype=tl.float32)
@@ -243,7 +242,7 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part
                       PAGE_SIZE: tl.constexpr, KV_SPLIT: tl.constexpr, GROUP_PAD: tl.constexpr,
                       HEAD_SPLIT: tl.constexpr, HEADS_FASTEST: tl.constexpr, SPLITS_PER_PROGRAM: tl.constexpr,
                       BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT_PARALLEL: tl.constexpr,
-                      IS_BF16: tl.constexpr, UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
+                      IS_BF16: tl.constexpr, UPCAST: tl.constexpr, KV_CHUNK: tl.constexpr, BLOCK_B: tl.constexpr,
                       TMA: tl.constexpr):
     """k_cache_ptr, v_cache_ptr: pointers, or with TMA tensor descriptors (``_chunk``)."""
     tile_index, head_program, split = _coordinates(HEADS_FASTEST)
@@ -270,9 +269,9 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part
     q = tl.load(q_ptr + token.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=q_row_ok[:, None], other=0.0)
     if IS_BF16 and not UPCAST:
-        ones = tl.full((BLOCK_N, 16), 1.0, dtype=tl.bfloat16)
+        ones = tl.full((KV_CHUNK, 16), 1.0, dtype=tl.bfloat16)
     else:
-        ones = tl.full((BLOCK_N, 16), 1.0, dtype=tl.float32)
+        ones = tl.full((KV_CHUNK, 16), 1.0, dtype=tl.float32)
     if UPCAST:
         q = q.to(tl.float32)
 
@@ -285,7 +284,7 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part
         lo = 0
         hi = last_key
     first_position = seq_len - q_len + q_first
-    full_end = tl.maximum(lo, tl.minimum(hi, (first_position + 1) // BLOCK_N * BLOCK_N))
+    full_end = tl.maximum(lo, tl.minimum(hi, (first_position + 1) // KV_CHUNK * KV_CHUNK))
 
     m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -293,20 +292,20 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part
     big_m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     big_l = tl.zeros((BLOCK_M,), dtype=tl.float32)
     big_a = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
-    for n0 in range(lo, full_end, BLOCK_N):
+    for n0 in range(lo, full_end, KV_CHUNK):
         m, l, acc = _chunk(q, m, l, acc, n0, b, kvh, positions, seq_len, q_row_ok, ones, k_cache_ptr, v_cache_ptr,
                            block_table_ptr, stride_bt, stride_kp, stride_kr, stride_kh, scale_log2e, offs_d,
-                           PAGE_SIZE, BLOCK_N, HEAD_DIM, IS_BF16, UPCAST, False, TMA)
+                           PAGE_SIZE, KV_CHUNK, HEAD_DIM, IS_BF16, UPCAST, False, TMA)
         big_m, big_l, big_a, m, l, acc = _end_of_chunk(
             big_m, big_l, big_a, m, l, acc, n0, hi, q_row_ok, positions, token, head, num_q_heads, max_splits,
-            part_m_ptr, part_l_ptr, part_a_ptr, offs_d, HEAD_DIM, BLOCK_N, KV_SPLIT, SPLIT_PARALLEL, SPLITS_PER_PROGRAM)
-    for n0 in range(full_end, hi, BLOCK_N):
+            part_m_ptr, part_l_ptr, part_a_ptr, offs_d, HEAD_DIM, KV_CHUNK, KV_SPLIT, SPLIT_PARALLEL, SPLITS_PER_PROGRAM)
+    for n0 in range(full_end, hi, KV_CHUNK):
         m, l, acc = _chunk(q, m, l, acc, n0, b, kvh, positions, seq_len, q_row_ok, ones, k_cache_ptr, v_cache_ptr,
                            block_table_ptr, stride_bt, stride_kp, stride_kr, stride_kh, scale_log2e, offs_d,
-                           PAGE_SIZE, BLOCK_N, HEAD_DIM, IS_BF16, UPCAST, True, TMA)
+                           PAGE_SIZE, KV_CHUNK, HEAD_DIM, IS_BF16, UPCAST, True, TMA)
         big_m, big_l, big_a, m, l, acc = _end_of_chunk(
             big_m, big_l, big_a, m, l, acc, n0, hi, q_row_ok, positions, token, head, num_q_heads, max_splits,
-            part_m_ptr, part_l_ptr, part_a_ptr, offs_d, HEAD_DIM, BLOCK_N, KV_SPLIT, SPLIT_PARALLEL, SPLITS_PER_PROGRAM)
+            part_m_ptr, part_l_ptr, part_a_ptr, offs_d, HEAD_DIM, KV_CHUNK, KV_SPLIT, SPLIT_PARALLEL, SPLITS_PER_PROGRAM)
 
     if SPLIT_PARALLEL:
         # The merge needs each token's position: one program and one row per token writes it.
@@ -317,7 +316,7 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part
         _store_split(part_m_ptr, part_l_ptr, part_a_ptr, m, l, acc, last_start // KV_SPLIT,
                      q_row_ok & (positions >= last_start), token, head, num_q_heads, max_splits, offs_d, HEAD_DIM)
     else:
-        if (hi > 0) & ((tl.cdiv(hi, BLOCK_N) * BLOCK_N) % KV_SPLIT != 0):  # the last split was not full
+        if (hi > 0) & ((tl.cdiv(hi, KV_CHUNK) * KV_CHUNK) % KV_SPLIT != 0):  # the last split was not full
             merging = q_row_ok & (positions >= (hi - 1) // KV_SPLIT * KV_SPLIT)
             big_m, big_l, big_a = _merge(big_m, big_l, big_a, m, l, acc, merging)
         out = tl.div_rn(big_a, tl.where(q_row_ok, big_l, 1.0)[:, None])
@@ -412,19 +411,20 @@ def _decode_programs(programs: int, sms: int) -> tuple[int, int]:
     Many programs (over 16 per multiprocessor: B >= 8 x 32k, 64 x 4096) run on 2 warps: 2-4%
     faster at 4096-16384 programs, 3% slower at 512 and at B = 1:
     the 16-row tile's row max and sum then cross 2 warps instead of 4."""
-    if sms == 0:  # not a CUDA device (multiprocessors() is 0): the plain shape
+    if sms == 0:  # the launch policy knows no multiprocessor count (not a CUDA GPU): the plain shape
         return 1, 4
     splits = 2 if 3 * sms < programs <= 4 * sms else 1
     return splits, 2 if splits == 1 and programs > 16 * sms else 4
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start_loc: torch.Tensor,
-                    seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float, kv_chunk: int, kv_split: int,
-                    split_parallel: bool | None = None, block_q: int | None = None,
+                    seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float, spec: Attention, *,
+                    policy: LaunchPolicy, split_parallel: bool | None = None, block_q: int | None = None,
                     num_warps: int | None = None, num_stages: int | None = None, head_split: int | None = None,
                     heads_fastest: bool | None = None, splits_per_program: int | None = None,
                     tma: bool | None = None) -> torch.Tensor:
-    """q (T, Hq, D); caches (pages, P, Hkv, D); metadata as in hal.backend.AttentionMetadata.
+    """q (T, Hq, D); caches (pages, P, Hkv, D); metadata as in hal.backend.AttentionMetadata; the
+    reduction structure from ``spec`` ([attention]); vendor launch choices from ``policy``.
     ``split_parallel``, ``block_q``, ``num_warps``, ``num_stages``, ``head_split`` (programs per KV
     head, each taking a slice of its query heads; a power of two up to the padded group),
     ``heads_fastest`` (program numbering), ``splits_per_program`` (with parallel splits) and ``tma``
@@ -442,15 +442,18 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     head_split = head_split or shape["head_split"]
     if head_split > group_pad or group_pad % head_split:
         raise ValueError(f"head_split {head_split} must be a power of two dividing the padded GQA group {group_pad}")
-    block_q = block_q or max(1, shape["rows"] // (group_pad // head_split))  # tokens per program
+    block_q = (block_q or policy.attention_block_q(q, k_cache, query_start_loc, spec)
+               or max(1, shape["rows"] // (group_pad // head_split)))  # tokens per program
     # Upper bounds from shapes alone: sum_b cdiv(q_len_b, block_q) tiles, keys <= the block table.
     num_tiles = min(tokens, (tokens + num_seqs * (block_q - 1)) // block_q)
     heads_fastest = shape["heads_fastest"] if heads_fastest is None else heads_fastest
     heads_fastest = heads_fastest and num_tiles <= 65535  # grid axis 2 holds at most 65535 programs
-    split = triton.cdiv(kv_split or block_table.shape[1] * page, kv_chunk) * kv_chunk
-    max_splits = max(1, triton.cdiv(block_table.shape[1] * page, split))
+    kv_chunk = spec.kv_chunk
+    context = block_table.shape[1] * page  # keys the block table can hold: an upper bound on every context
+    split = spec.split_size(context)
+    max_splits = spec.split_count(context)
     decode_splits, decode_warps = _decode_programs(num_tiles * kv_heads * head_split * max_splits,
-                                                   multiprocessors(q.device))
+                                                   policy.multiprocessors(q.device))
     if splits_per_program is None:
         splits_per_program = decode_splits if shape["decode"] else shape["splits_per_program"]
     if num_warps is None and shape["decode"] and splits_per_program == decode_splits:
@@ -465,12 +468,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if tma is None:  # descriptors cost the host ~40 us a call; below 1024 query tokens they save < 1 us
         tma = shape["tma"] and tokens >= 1024
     tma = tma and _tma_ok(k_cache, v_cache, kv_chunk)
-    scale_log2e = float(np.float32(scale / math.log(2.0)))  # fp64 -> fp32, round to nearest
+    scale_log2e = spec.folded_scale(scale)
     is_bf16 = q.dtype == torch.bfloat16
     per_program = min(splits_per_program, max_splits) if split_parallel else 1
     meta = dict(PAGE_SIZE=page, KV_SPLIT=split, GROUP_PAD=group_pad, HEAD_SPLIT=head_split,
                 SPLITS_PER_PROGRAM=per_program, HEADS_FASTEST=heads_fastest, BLOCK_Q=block_q, HEAD_DIM=head_dim,
-                IS_BF16=is_bf16, UPCAST=INTERPRET and is_bf16, BLOCK_N=kv_chunk, BLOCK_B=BLOCK_B, TMA=tma,
+                IS_BF16=is_bf16, UPCAST=INTERPRET and is_bf16, KV_CHUNK=kv_chunk, BLOCK_B=BLOCK_B, TMA=tma,
                 num_warps=num_warps or shape["num_warps"], num_stages=num_stages or shape["num_stages"], **LAUNCH)
     strides = (q.stride(0), q.stride(1), block_table.stride(0), k_cache.stride(0), k_cache.stride(1),
                k_cache.stride(2), out.stride(0), out.stride(1))

@@ -1,4 +1,4 @@
-"""GEMM ``y = x @ w.T (+ bias)`` for the cuda backend.
+"""GEMM ``y = x @ w.T (+ bias)``.
 
 Reduction structure (contract [gemm], read from ``k_chunk``):
   K is cut into chunks of K_CHUNK at absolute offsets 0, K_CHUNK, 2 K_CHUNK, ...; each chunk is
@@ -26,7 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
-from hal.backends.cuda.common import INTERPRET, LAUNCH, multiprocessors, to_activation
+from hal.contract import Gemm
+from hal.kernels.common import INTERPRET, LAUNCH, to_activation
+from hal.kernels.policy import LaunchPolicy
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -106,14 +108,14 @@ def _combine_kernel(partial_ptr, bias_ptr, out_ptr, M, N, CHUNKS, stride_om, str
     tl.store(out_ptr + (offs // N) * stride_om + n * stride_on, to_activation(total, OUT_BF16), mask=mask)
 
 
-def _config(m: int, n: int, k: int, k_chunk: int, tma: bool, sms: int) -> dict:
+def _config(m: int, n: int, k: int, spec: Gemm, tma: bool, sms: int) -> dict:
     """Tiling per shape: free (does not change the bits), the fastest in device time on the H200 of
     the shapes bench/speed_sweep.py tries per M class, for the reasons given at each rule below.
     ``tma``: descriptor loads are possible (bf16,
     aligned); ``sms``: the GPU's multiprocessors. Each small-M rule keeps the grid within one wave
     of two programs per multiprocessor: a second, partial wave cost 26-28% (N = 14336 with
     32-wide tiles: 448 programs)."""
-    chunks = triton.cdiv(k, k_chunk)
+    chunks = spec.chunk_count(k)
     base = dict(split=False, chunks_per_program=1, GROUP_M=1, tma=False)
     if INTERPRET:
         return dict(base, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, split=chunks > 1 and m <= 16, num_warps=4,
@@ -150,8 +152,9 @@ def _tma_ok(t: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
-           k_chunk: int, config: dict | None = None) -> torch.Tensor:
-    """x (M, K) @ weight (N, K).T (+ bias) -> (M, N) out_dtype. ``config`` overrides the tiling (tests)."""
+           spec: Gemm, config: dict | None = None, *, policy: LaunchPolicy) -> torch.Tensor:
+    """x (M, K) @ weight (N, K).T (+ bias) -> (M, N) out_dtype, K reduced as ``spec`` ([gemm]) says.
+    The tiling is ``_config``'s, with the ``policy``'s tiles over it, and ``config`` over both (tests)."""
     m, k = x.shape
     n = weight.shape[0]
     out = torch.empty((m, n), device=x.device, dtype=out_dtype)
@@ -160,12 +163,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out
     if k == 0:
         return out.copy_((bias.float() if bias is not None else torch.zeros(n, device=x.device)).expand(m, n))
     tma_ok = not INTERPRET and _tma_ok(x) and _tma_ok(weight)
-    cfg = _config(m, n, k, k_chunk, tma_ok, multiprocessors(x.device))  # 0 on the interpreter's CPU tensors
+    cfg = _config(m, n, k, spec, tma_ok, policy.multiprocessors(x.device))
+    tiles = policy.gemm_tiles(m, n, k, spec, x.element_size())
+    if tiles:
+        cfg.update(tiles)
     if config:
         cfg.update(config)
+    k_chunk = spec.k_chunk
     if k_chunk % cfg["BLOCK_K"]:
         raise ValueError(f"BLOCK_K {cfg['BLOCK_K']} must divide k_chunk {k_chunk}")
-    chunks = triton.cdiv(k, k_chunk)
+    chunks = spec.chunk_count(k)
     split = cfg["split"] and chunks > 1
     per_program = min(cfg["chunks_per_program"], chunks) if split else chunks
     bias_arg = bias if bias is not None else out

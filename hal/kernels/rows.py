@@ -1,4 +1,4 @@
-"""Row and pointwise kernels of the cuda backend: RMSNorm (+residual), SiLU*up, rotary, sum/mean.
+"""Row and pointwise kernels: RMSNorm (+residual), SiLU*up, rotary, sum/mean.
 
 Reduction structure of RMSNorm and sum/mean (contract [rms_norm].row_block, [reduce].row_block):
   the row is reduced in blocks of ROW_BLOCK elements at absolute offsets 0, ROW_BLOCK, ...; each
@@ -14,7 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from hal.backends.cuda.common import LAUNCH, next_power_of_2, round_to_bf16, to_activation, zero_scalar
+from hal.contract import Reduce, RmsNorm
+from hal.kernels.common import LAUNCH, next_power_of_2, round_to_bf16, to_activation, zero_scalar
 
 
 @triton.jit
@@ -63,13 +64,14 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n, stride_x, s
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
-             row_block: int, num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+             spec: RmsNorm, num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(out, residual_out or None); the sum of squares in row blocks of ``spec.row_block``."""
     n = x.shape[-1]
     x2 = x.reshape(-1, n)
     out = torch.empty_like(x2)
     res2 = residual.reshape(-1, n) if residual is not None else x2
     res_out = torch.empty_like(x2) if residual is not None else out
-    block = min(row_block, next_power_of_2(n))
+    block = min(spec.row_block, next_power_of_2(n))
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](x2, res2, weight, out, res_out, n, x2.stride(0), res2.stride(0),
                                          out.stride(0), res_out.stride(0), float(torch.tensor(eps).float()),
@@ -87,13 +89,14 @@ def _reduce_kernel(x_ptr, out_ptr, n, stride_x, MEAN: tl.constexpr, BLOCK: tl.co
     tl.store(out_ptr + row, total)
 
 
-def reduce_last(x: torch.Tensor, mean: bool, row_block: int, num_warps: int = 4) -> torch.Tensor:
+def reduce_last(x: torch.Tensor, mean: bool, spec: Reduce, num_warps: int = 4) -> torch.Tensor:
+    """fp32 sum (or mean) over the last dim in row blocks of ``spec.row_block``."""
     n = x.shape[-1]
     x2 = x.reshape(-1, n)
     out = torch.empty(x2.shape[0], device=x.device, dtype=torch.float32)
     if x2.shape[0]:
         _reduce_kernel[(x2.shape[0],)](x2, out, n, x2.stride(0), MEAN=mean,
-                                       BLOCK=min(row_block, next_power_of_2(n)), num_warps=num_warps, **LAUNCH)
+                                       BLOCK=min(spec.row_block, next_power_of_2(n)), num_warps=num_warps, **LAUNCH)
     return out.view(x.shape[:-1])
 
 
