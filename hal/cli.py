@@ -63,7 +63,7 @@ def _print_capabilities(installed: dict) -> None:
     for name, info in installed.items():
         if info.cls is None:
             continue
-        print(f"  {name}")
+        print(f"  {name}:")
         rows = info.cls.capabilities.table()
         width = max(len(what) for what, _ in rows)
         for what, values in rows:

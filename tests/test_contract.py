@@ -201,7 +201,7 @@ def test_doctor_prints_each_backends_capability_table():
                          env={k: v for k, v in os.environ.items() if not k.startswith("HAL_")})
     text = out.stdout
     assert "capabilities (a contract outside them is refused when the backend is bound to it):" in text
-    cuda = text[text.index("\n  cuda\n"):]
+    cuda = text[text.index("\n  cuda:\n"):]
     assert re.search(r"head dims\s+64, 128", cuda) and re.search(r"\[attention\]\.kv_chunk\s+a power of two", cuda)
     assert re.search(r"\[gemm\]\.k_chunk\s+a multiple of 256", cuda)
-    assert re.search(r"\n  reference\n    contracts\s+bf16-dense-v1", text)
+    assert re.search(r"\n  reference:\n    contracts\s+bf16-dense-v1", text)
