@@ -22,7 +22,7 @@ import torch
 
 import old_kernels
 from hal.api import create_backend
-from hal.backends.cuda import attention, gemm, logprobs
+from hal.kernels import attention, gemm, logprobs
 from hal.conformance.checks import random_tensor
 from hal.kvcache import build_metadata
 
