@@ -22,6 +22,7 @@ import torch
 
 import old_kernels
 from hal.api import create_backend
+from hal.backends.cuda.launch import CUDA_LAUNCH
 from hal.kernels import attention, gemm, logprobs
 from hal.conformance.checks import random_tensor
 from hal.kvcache import build_metadata
@@ -41,7 +42,8 @@ def gemm_cases(contract, base, g, device, small):
         bias = random_tensor((n,), dtype, g, device=device) if has_bias else None
         for m in m_list:
             x = random_tensor((m, k), dtype, g, device=device, spread=4)
-            same = torch.equal(gemm.linear(x, w, bias, out_dtype, k_chunk), base.gemm.linear(x, w, bias, out_dtype, k_chunk))
+            same = torch.equal(gemm.linear(x, w, bias, out_dtype, contract.gemm, policy=CUDA_LAUNCH),
+                               base.gemm.linear(x, w, bias, out_dtype, k_chunk))
             rows.append(dict(op="gemm", case=f"M={m} N={n} K={k} {dtype} bias={has_bias} out={out_dtype}", equal=same))
     return rows
 
@@ -76,11 +78,10 @@ def attention_cases(contract, base, g, device, small):
                  ([130], [130], 6, 2, 64, 64, torch.float32)]
     for seq_lens, q_lens, hq, hkv, d, page, dtype in cases:
         q, k, v, meta = _paged(seq_lens, q_lens, hq, hkv, d, page, dtype, g, device)
-        args = (q, k, v, meta.query_start_loc, meta.seq_lens, meta.block_table, d ** -0.5, spec.kv_chunk,
-                spec.kv_split)
-        ref = base.attention.paged_attention(*args)
+        inputs = (q, k, v, meta.query_start_loc, meta.seq_lens, meta.block_table, d ** -0.5)
+        ref = base.attention.paged_attention(*inputs, spec.kv_chunk, spec.kv_split)  # the old integer arguments
         launches = [dict(), dict(split_parallel=True), dict(split_parallel=False, block_q=4, num_warps=4)]
-        same = [torch.equal(attention.paged_attention(*args, **lc), ref) for lc in launches]
+        same = [torch.equal(attention.paged_attention(*inputs, spec, policy=CUDA_LAUNCH, **lc), ref) for lc in launches]
         rows.append(dict(op="attention", case=f"seq_lens={seq_lens[:4]}{'...' if len(seq_lens) > 4 else ''} "
                          f"q_lens={q_lens[:4]} B={len(seq_lens)} heads=({hq},{hkv}) D={d} page={page} {dtype}",
                          equal=all(same), launches=len(launches)))
@@ -95,9 +96,9 @@ def logprob_cases(contract, base, g, device, small):
             for t in (1.0, 0.7):
                 x = random_tensor((m, vocab), torch.float32, g, device=device, scale=5.0)
                 ids = torch.randint(0, vocab, (m,), generator=g).to(device)
-                same_tok = torch.equal(logprobs.token_logprobs(x, ids, t, chunk),
+                same_tok = torch.equal(logprobs.token_logprobs(x, ids, t, contract.logprobs),
                                        base.logprobs.token_logprobs(x, ids, t, chunk))
-                same_ls = torch.equal(logprobs.log_softmax(x, t, chunk), base.logprobs.log_softmax(x, t, chunk))
+                same_ls = torch.equal(logprobs.log_softmax(x, t, contract.logprobs), base.logprobs.log_softmax(x, t, chunk))
                 rows.append(dict(op="logprobs", case=f"M={m} V={vocab} T={t}", equal=same_tok and same_ls))
     return rows
 
