@@ -383,9 +383,6 @@ class Backend(abc.ABC):
         The default is an exact indexed copy (no arithmetic, so nothing for a contract to pin); a
         backend overrides it only for speed.
         """
-        self.check_dtype("write_kv", k, v, k_cache, v_cache)
-        if slot_mapping.shape[0] != k.shape[0]:
-            raise UnsupportedError(f"{self.name}.write_kv: {k.shape[0]} tokens but {slot_mapping.shape[0]} slots")
         keep = slot_mapping >= 0
         slots = slot_mapping[keep].long()
         page_size = k_cache.shape[1]
@@ -492,6 +489,7 @@ def _linear_input(self, x, weight, bias=None, *, out_dtype=None):
 def _attention_input(self, q, k_cache, v_cache, meta, *, scale):
     self.check_not_meta("attention", q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_table)
     self.check_attention(q, k_cache, v_cache, meta)
+    self.check_head_dim("attention", q.shape[-1])
     return torch.empty_like(q) if q.shape[0] == 0 else None
 
 

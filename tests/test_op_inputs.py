@@ -270,3 +270,23 @@ def test_a_contract_without_a_dtype_refuses_ops_in_it(contract_backend):
     with pytest.raises(UnsupportedError, match=r"rms_norm: dtype torch.float32 is not covered"):
         backend.rms_norm(x, torch.ones(32), 1e-6)
     assert backend.linear(x.bfloat16(), w.bfloat16()).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("op", [c[0] for c in _op_calls(1)])
+def test_the_shared_checks_run_once_per_call(any_backend, op, monkeypatch):
+    """The input checks live in one place (the Backend wrapper): an op body that repeats them does the
+    work twice per call on the hot path. Each check helper may run at most once per op call."""
+    counts: dict[str, int] = {}
+    for helper in ("check_dtype", "check_linear", "check_rotary", "check_rms_norm", "check_attention",
+                   "check_logits", "check_topk", "check_head_dim", "check_token_ids", "check_positions"):
+        original = getattr(type(any_backend), helper)
+
+        def counted(self, *args, _name=helper, _original=original, **kwargs):
+            counts[_name] = counts.get(_name, 0) + 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(type(any_backend), helper, counted)
+    (name, args, kwargs), = [c for c in _op_calls(3) if c[0] == op]
+    getattr(any_backend, name)(*args, **kwargs)
+    # check_linear / check_rotary / check_rms_norm / check_attention call check_dtype once themselves.
+    assert {k: v for k, v in counts.items() if v > 1} == {}

@@ -134,37 +134,28 @@ class AscendBackend(Backend):
     # -- ops ------------------------------------------------------------------------------------
 
     def linear(self, x, weight, bias=None, *, out_dtype=None):
-        out_dtype = self.check_linear(x, weight, bias, out_dtype)
         self.check_devices("linear", x, weight, bias)
         x2 = x.reshape(-1, x.shape[-1])
-        if x2.shape[0] == 0 or weight.shape[0] == 0:
-            return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=out_dtype)
+        out_dtype = out_dtype or x.dtype
+        if weight.shape[0] == 0:
+            return x.new_empty((*x.shape[:-1], 0), dtype=out_dtype)
         return self._ops.linear(x2, weight, bias, out_dtype).reshape(*x.shape[:-1], weight.shape[0])
 
     def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, *, scale):
-        self.check_dtype("attention", q, k_cache, v_cache)
         self.check_devices("attention", q, k_cache, v_cache)
-        self.check_head_dim("attention", q.shape[-1])
-        if q.shape[0] == 0:
-            return torch.empty_like(q)
         return self._ops.attention(q, k_cache, v_cache, meta, scale)
 
     def rms_norm(self, x, weight, eps, residual=None):
-        self.check_dtype("rms_norm", *([x, weight] if residual is None else [x, weight, residual]))
         self.check_devices("rms_norm", x, weight, residual)
         return self._ops.rms_norm(x, weight, eps, residual)
 
     def silu_mul(self, gate_up):
-        self.check_dtype("silu_mul", gate_up)
-        if gate_up.shape[-1] % 2:
-            raise UnsupportedError(f"silu_mul: last dim must be even, got {gate_up.shape[-1]}")
         if self.path == "triton":
             return self._ops.silu_mul(gate_up)
         g, u = gate_up.float().chunk(2, dim=-1)
         return ((g / (1.0 + torch.exp(-g))) * u).to(gate_up.dtype)  # plain SiLU*up, never npu_swiglu
 
     def rotary(self, positions, q, k, cos_sin_cache):
-        self.check_rotary(q, k, cos_sin_cache)
         table = cos_sin_cache.to(q.device).contiguous()
         pos = positions.to(q.device).contiguous()
         if self.path == "triton":
@@ -172,11 +163,9 @@ class AscendBackend(Backend):
         return _rotary_torch(pos, q, table), _rotary_torch(pos, k, table)
 
     def log_softmax(self, logits, temperature=1.0):
-        self.check_logits(logits, temperature)
         return self._ops.log_softmax(logits, float(temperature))
 
     def token_logprobs(self, logits, token_ids, temperature=1.0):
-        self.check_logits(logits, temperature)
         return self._ops.token_logprobs(logits, token_ids, float(temperature))
 
     def sum(self, x, dim=-1):
@@ -188,7 +177,6 @@ class AscendBackend(Backend):
         return self._ops.mean(x2.reshape(-1, x2.shape[-1])).view(x2.shape[:-1])
 
     def topk(self, x, k):
-        self.check_topk(x, k)
         values, indices = torch.sort(x, dim=-1, descending=True, stable=True)  # comparisons only
         return values[..., :k].contiguous(), indices[..., :k].contiguous()
 

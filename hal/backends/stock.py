@@ -96,7 +96,8 @@ class TorchBackend(Backend):
         return torch.log_softmax(logits.float() / temperature, dim=-1)
 
     def token_logprobs(self, logits, token_ids, temperature=1.0):
-        return self.log_softmax(logits, temperature).gather(-1, token_ids.long().view(-1, 1)).squeeze(-1)
+        logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)  # not self.log_softmax: checked once
+        return logprobs.gather(-1, token_ids.long().view(-1, 1)).squeeze(-1)
 
     def sum(self, x, dim=-1):
         return x.float().sum(dim)

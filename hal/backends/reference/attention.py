@@ -129,4 +129,5 @@ def _online_softmax(s: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, s
         big_m = torch.where(merging, m_merged, big_m)
         big_l = torch.where(merging, l_merged, big_l)
         big_a = torch.where(merging.view(1, -1, 1), a_merged, big_a)
-    return torch.div(big_a, big_l.unsqueeze(-1)).to(dtype)
+    # fp64 quotient rounded once to fp32: the correctly rounded fp32 quotient on any host (see _fdiv)
+    return torch.div(big_a.double(), big_l.unsqueeze(-1).double()).float().to(dtype)

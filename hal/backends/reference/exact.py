@@ -17,7 +17,8 @@ element by element:
   rounding midpoint.
 * **exp, exp2, log from IEEE add/mul/div only**, evaluated in fp64 and rounded once to fp32,
   so the same input gives the same bits at any position of any tensor.
-* ``sqrt`` and ``/`` are correctly rounded by IEEE 754 in every code path, so they are used as is.
+* ``sqrt`` and ``/`` in fp64, rounded once to fp32 (correctly rounded fp32 results): torch's fp32
+  CPU sqrt is not correctly rounded on every host (1 ulp off for ~20% of inputs on one AMD EPYC).
 
 Zero sums are returned as +0, because the sign of an exact-zero sum of mixed-sign terms depends
 on how an implementation starts its accumulator.
