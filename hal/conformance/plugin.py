@@ -57,6 +57,30 @@ def pytest_configure(config):
     config._hal_results = report_mod.Results()
 
 
+#: At full depth a test that takes the ``hal_part`` fixture runs its hypothesis examples in this many
+#: parts, each its own test id with its share of the examples: shards (``--hal-shard``) then spread one
+#: slow test over several slices, each of which fits a time-limited run (phase consistency at full
+#: depth took longer than 420 s as one test on the H200). Full depth draws at random (not derandomised),
+#: so the parts draw different examples.
+PARTS_AT_FULL_DEPTH = 5
+
+
+def pytest_generate_tests(metafunc):
+    if "hal_part" in metafunc.fixturenames:
+        count = PARTS_AT_FULL_DEPTH if metafunc.config.getoption("hal_depth", "quick") == "full" else 1
+        metafunc.parametrize("hal_part", [(i, count) for i in range(count)],
+                             ids=[f"part{i + 1}of{count}" for i in range(count)])
+
+
+def part_settings(hal_part: tuple[int, int]):
+    """The hypothesis settings of one part: the profile's examples divided among the parts."""
+    from hypothesis import settings
+
+    index, count = hal_part
+    profile = settings.get_profile("hal-conformance")
+    return settings(profile, max_examples=max(1, -(-profile.max_examples // count)))
+
+
 def _kit_items(items):
     return [item for item in items if item.get_closest_marker("hal") is not None]
 
