@@ -12,7 +12,7 @@
 # and pass carry=[".whl", ".old_kernels"] to the device tool.
 # Results go to $OUT (JSON + logs); commit them under bench/results/ with the command used.
 #   KIT_EXAMPLES   hypothesis examples per kit test for kit-quick and negative (default 8)
-#   KIT_SHARDS, KIT_SLICE_TIMEOUT   kit-full: slices run side by side (12) and each one's limit (480 s)
+#   KIT_SHARDS, KIT_SLICE_TIMEOUT   kit-full: slices run side by side (16, one per core) and each one's limit (480 s)
 #   SKIP_INSTALL   set: do not reinstall into /tmp/site (for a second h200.sh run beside a first one)
 #   BENCH_ARGS     extra arguments of bench_cuda.py (e.g. --quick)
 #   SWEEP_ONLY     speed_sweep.py's steps for `sweep` (default attention), timed by CUDA-graph replay
@@ -46,7 +46,7 @@ for step in $steps; do
               # and checks), sharing one Triton cache; each slice stops at KIT_SLICE_TIMEOUT seconds and keeps
               # what it finished (reports are written after every test): run the step again on the same warm
               # machine to resume the unfinished slices, then the merged report is complete.
-              n=${KIT_SHARDS:-12}; kit=/tmp/kit; mkdir -p "$kit"
+              n=${KIT_SHARDS:-16}; kit=/tmp/kit; mkdir -p "$kit"
               export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$kit/triton}
               for i in $(seq 1 "$n"); do
                 # one OpenMP thread per slice: 12 slices with 16 threads each on 16 cores spin against each other

@@ -60,9 +60,10 @@ def pytest_configure(config):
 #: At full depth a test that takes the ``hal_part`` fixture runs its hypothesis examples in this many
 #: parts, each its own test id with its share of the examples: shards (``--hal-shard``) then spread one
 #: slow test over several slices, each of which fits a time-limited run (phase consistency at full
-#: depth took longer than 420 s as one test on the H200). Full depth draws at random (not derandomised),
-#: so the parts draw different examples.
-PARTS_AT_FULL_DEPTH = 5
+#: depth took longer than 420 s as one test on the H200; in 5 parts of 10 examples, 7 of 10 parts took
+#: 2-6 min and 3 did not finish in 440 s, so 10 parts of 5). Full depth draws at random (not
+#: derandomised), so the parts draw different examples.
+PARTS_AT_FULL_DEPTH = 10
 
 
 def pytest_generate_tests(metafunc):
