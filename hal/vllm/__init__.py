@@ -77,12 +77,15 @@ def _register_refusal(error: VllmVersionError) -> None:
     if QUANT_METHOD in QUANTIZATION_METHODS:
         return
 
-    class RefusingHalConfig(QuantizationConfig):
-        def __init__(self, *args, **kwargs):
-            raise error
+    def refuse(*args, **kwargs):
+        raise error
 
-        @classmethod
-        def from_config(cls, config):
-            raise error
+    # Every entry point vLLM may reach first raises the version error: with an HF quantization_config it
+    # calls from_config; with a plain quantization="hal" it calls the static get_config_filenames before
+    # anything is constructed (the abstract base raises a bare NotImplementedError there).
+    RefusingHalConfig = type("RefusingHalConfig", (QuantizationConfig,), {
+        "__init__": refuse, "from_config": classmethod(refuse), "get_config_filenames": staticmethod(refuse),
+        "get_name": refuse, "get_supported_act_dtypes": refuse, "get_min_capability": classmethod(refuse),
+        "get_quant_method": refuse, "__module__": __name__})
 
     register_quantization_config(QUANT_METHOD)(RefusingHalConfig)

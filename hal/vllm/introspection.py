@@ -96,6 +96,12 @@ def probe_hal_calls(model_runner) -> dict[str, int]:
     counter.counts[LM_HEAD_PROBE] = 0
     config.backend()                       # created outside the count (creation makes no routed call)
     config._call_counter = counter
+    # A compiled model (enforce_eager=False) runs its forward as one graph: module hooks do not fire
+    # there. For the probe, vLLM's compiled modules run their Python forward (``do_not_compile``, which
+    # their __call__ reads on every call); the ops are the same torch.ops.hal calls either way.
+    compiled = [m for m in model.modules() if getattr(m, "do_not_compile", True) is False]
+    for module in compiled:
+        module.do_not_compile = True
     try:
         with torch.no_grad():
             _, hidden = model_runner._dummy_run(PROBE_TOKENS, force_attention=True)
@@ -103,6 +109,8 @@ def probe_hal_calls(model_runner) -> dict[str, int]:
             model.compute_logits(hidden)
             counter.leave()
     finally:
+        for module in compiled:
+            module.do_not_compile = False
         config._call_counter = None
         for handle in handles:
             handle.remove()

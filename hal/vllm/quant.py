@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import uuid
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -27,6 +28,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead, UnquantizedEmbeddingMethod, VocabParallelEmbedding)
 from vllm.platforms import current_platform
 
+from hal import torch_ops
 from hal.api import create_backend, require_fingerprint
 from hal.backend import Backend
 from hal.errors import ContractMismatchError, UnsupportedError
@@ -54,6 +56,9 @@ class HalConfig(QuantizationConfig):
         self._backend: Backend | None = None
         self._lock = threading.Lock()
         self._call_counter: CallCounter | None = None     # set while introspection.probe_hal_calls runs
+        # The routed ops call torch.ops.hal.* (opaque to torch.compile) with this key, which finds
+        # self.backend() in each process (re-bound when the config is unpickled in an engine process).
+        self.op_key = torch_ops.bind(f"vllm-engine-{uuid.uuid4().hex[:12]}", self.backend)
 
     def __getstate__(self):               # pickled to engine processes: the backend is made there
         state = self.__dict__.copy()
@@ -63,6 +68,7 @@ class HalConfig(QuantizationConfig):
     def __setstate__(self, state):
         self.__dict__.update(state)
         self._lock = threading.Lock()
+        torch_ops.bind(self.op_key, self.backend)
 
     def __repr__(self) -> str:
         return f"HalConfig({self.binding.describe()})"
@@ -88,7 +94,6 @@ class HalConfig(QuantizationConfig):
         return cls(config)
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
-        _refuse_compilation()
         if isinstance(layer, ParallelLMHead):
             return HalLMHeadMethod(self)
         if isinstance(layer, VocabParallelEmbedding):
@@ -138,14 +143,6 @@ def bound_config() -> HalConfig | None:
     return quant if isinstance(quant, HalConfig) else None
 
 
-def _refuse_compilation() -> None:
-    config = get_current_vllm_config()
-    model_config = getattr(config, "model_config", None)
-    if model_config is not None and not model_config.enforce_eager:
-        raise UnsupportedError("hal vLLM plugin: HAL ops are not torch.compile / CUDA-graph traceable yet; "
-                               "start the engine with enforce_eager=True")
-
-
 # ---------------------------------------------------------------------------------------------
 # GEMMs: every linear layer and the lm_head.
 # ---------------------------------------------------------------------------------------------
@@ -167,14 +164,14 @@ class HalLinearMethod(_HalGemm, UnquantizedLinearMethod):
     """Every linear layer: vLLM's plain weight (created by the stock method), ``backend.linear``."""
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return self.config.backend().linear(x, layer.weight, bias)
+        return torch.ops.hal.linear(self.config.op_key, x, layer.weight, bias, False)
 
 
 class HalLMHeadMethod(_HalGemm, UnquantizedEmbeddingMethod):
     """The lm_head: fp32 logits straight out of the GEMM, as the trainer's ``DecoderLM`` computes them."""
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return self.config.backend().linear(x, layer.weight, bias, out_dtype=torch.float32)
+        return torch.ops.hal.linear(self.config.op_key, x, layer.weight, bias, True)
 
 
 def install() -> None:

@@ -86,7 +86,13 @@ class HalSamplingState(LogitsProcessor):
 def _hal_sample(logits: torch.Tensor, sampling_metadata, logprobs_mode_override=None):
     """``Sampler.sample`` of a HAL-bound engine: ``hal.rollout.sampler.sample_tokens`` row by row, at the
     position prompt length + tokens generated so far (the harness's position)."""
-    state = next((p for p in sampling_metadata.logitsprocs.all if isinstance(p, HalSamplingState)), None)
+    processors = list(sampling_metadata.logitsprocs.all)
+    if not processors:
+        # vLLM's sampler warm-up (_dummy_sampler_run, in compiled / CUDA-graph engines) passes an empty
+        # LogitsProcessors(); a real batch always carries the built-in processors, HalSamplingState
+        # among them. No request exists yet: any token will do.
+        return logits.argmax(dim=-1), None
+    state = next((p for p in processors if isinstance(p, HalSamplingState)), None)
     if state is None or not state.active:
         raise HalError("hal vLLM plugin: the HAL sampler found no active HalSamplingState among the engine's "
                        "logits processors (was the plugin installed before the engine was built?)")
