@@ -273,6 +273,23 @@ def test_ops_of_an_engine_without_the_plugin_stay_stock(vllm_config_context):
     GemmaRMSNorm(64)                            # the stock op, constructed as usual
 
 
+def test_prefix_cache_hits_give_the_recomputed_bits(engines):
+    """A GRPO group: 8 samples of one 300-token prompt after the prompt was seen once. vLLM reads the shared
+    prefix from its cache (counted, so the hit is real) instead of recomputing it; every sampled logprob
+    equals the trainer's, which recomputes the whole sequence without any cache."""
+    engine, model = engines.get("qwen3", "bfloat16")
+    vocab = model.config.vocab_size
+    prompt = tuple((7 * j + 3) % vocab for j in range(300))
+    engine.generate([Request(prompt=prompt, max_new_tokens=4, seed=99)])          # fills the cache
+    group = [Request(prompt=prompt, max_new_tokens=12, seed=s) for s in range(8)]
+    completions = engine.generate(group)
+    cached = [c.cached_prompt_tokens for c in completions]
+    assert min(cached) > 0, f"no prefix-cache hit: {cached}"
+    sampled, _ = trainer_logprobs(model, completions)
+    assert mismatches([c.logprobs for c in completions], sampled) == (0, 8 * 12)
+    assert len({tuple(c.tokens) for c in completions}) > 1          # different seeds, different samples
+
+
 def test_compiled_engine_logprobs_equal_trainer(engines):
     """enforce_eager=False: vLLM traces the model forward with torch.compile; the routed ops are opaque
     torch.ops.hal nodes of its graph, and the engine still starts only if every routed module calls the

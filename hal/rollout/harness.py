@@ -58,6 +58,7 @@ class Completion:
     finish_reason: str              # "length" or "stop"
     preemptions: int = 0
     prompt_logprobs: torch.Tensor | None = None   # (len(prompt) - 1,) fp32, when an engine was asked for them
+    cached_prompt_tokens: int = 0   # prompt tokens an engine read from its prefix cache instead of computing
 
     @property
     def prompt(self) -> list[int]:

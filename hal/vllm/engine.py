@@ -144,7 +144,8 @@ class VllmEngine:
             tokens = list(sample.token_ids)
             logprobs = torch.tensor([lp[t].logprob for t, lp in zip(tokens, sample.logprobs)], dtype=torch.float32)
             reason = "stop" if sample.finish_reason == "stop" else "length"
-            completion = Completion(request=r, tokens=tokens, logprobs=logprobs, finish_reason=reason)
+            completion = Completion(request=r, tokens=tokens, logprobs=logprobs, finish_reason=reason,
+                                    cached_prompt_tokens=int(out.num_cached_tokens or 0))
             if prompt_logprobs:
                 completion.prompt_logprobs = torch.tensor(
                     [out.prompt_logprobs[j][r.prompt[j]].logprob for j in range(1, len(r.prompt))], dtype=torch.float32)
