@@ -479,3 +479,18 @@ def test_long_context_across_kv_split_diff_zero(engines):
     assert mismatches([c.logprobs for c in completions], sampled) == (0, 22)
     assert mismatches([c.prompt_logprobs for c in completions], prompt) == (0, 495 + 119)
     assert len(set(completions[0].tokens)) > 5
+
+
+def test_gpu_attention_route_is_wired_as_documented():
+    """The CUDA route (vLLM 0.26's CUSTOM member; written against 0.26's source, run on a GPU only) imports
+    under this vLLM and is the shared HAL route over Triton's implementation, kept out of full CUDA graphs."""
+    from vllm.v1.attention.backend import AttentionCGSupport
+
+    from hal.vllm import gpu_attention
+    from hal.vllm.attention import HalAttentionRoute, HalCpuAttentionImpl
+
+    backend = gpu_attention.HalGpuAttentionBackend
+    assert backend.get_name() == "CUSTOM"
+    assert issubclass(backend.get_impl_cls(), HalAttentionRoute) and issubclass(HalCpuAttentionImpl, HalAttentionRoute)
+    assert backend.get_builder_cls()._cudagraph_support == AttentionCGSupport.NEVER
+    assert backend.supported_kv_cache_dtypes == ["auto"]

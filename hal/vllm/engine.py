@@ -73,6 +73,12 @@ class VllmEngine:
             kwargs["hf_overrides"] = {"quantization_config": {"quant_method": QUANT_METHOD, "backend": binding.backend,
                                                               **({"contract": binding.contract} if binding.contract else {})}}
             kwargs["quantization"] = QUANT_METHOD
+            if torch.cuda.is_available():
+                # vLLM 0.26 on CUDA (hal.vllm.gpu_attention; not run on a GPU yet): the HAL's attention is
+                # the CUSTOM member; the V1 model runner, whose sampler the plugin routes (V2 has its own);
+                # no async scheduling (the HAL sampler's position is read from the tokens generated so far).
+                os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+                kwargs.update(attention_config={"backend": "CUSTOM"}, async_scheduling=False)
         with warnings.catch_warnings():     # vLLM 0.32 touches deprecated torch.distributed names
             warnings.simplefilter("ignore", FutureWarning)
             self.llm = LLM(model=str(self.model_dir), skip_tokenizer_init=True, dtype=dtype, enforce_eager=enforce_eager,

@@ -104,7 +104,7 @@ def probe_hal_calls(model_runner) -> dict[str, int]:
         module.do_not_compile = True
     try:
         with torch.no_grad():
-            _, hidden = model_runner._dummy_run(PROBE_TOKENS, force_attention=True)
+            _, hidden = model_runner._dummy_run(PROBE_TOKENS, force_attention=True, **_eager_run())
             counter.enter(LM_HEAD_PROBE)
             model.compute_logits(hidden)
             counter.leave()
@@ -115,6 +115,18 @@ def probe_hal_calls(model_runner) -> dict[str, int]:
         for handle in handles:
             handle.remove()
     return counter.counts
+
+
+def _eager_run() -> dict:
+    """On CUDA the probe forward must not replay (or capture) a CUDA graph: module hooks fire only in
+    an eager forward, and a graph outside capture_model fails vLLM's capture check."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cuda():
+        return {}
+    from vllm.config import CUDAGraphMode
+
+    return {"cudagraph_runtime_mode": CUDAGraphMode.NONE}
 
 
 def silent_modules(counts: dict[str, int]) -> list[str]:
@@ -154,7 +166,7 @@ _stock_warm_up = None
 
 
 def _checked_warm_up(self):
-    """The CPU worker's warm-up step (after the KV cache exists), then, in a HAL-bound engine, the
+    """The worker's warm-up step (after the KV cache exists), then, in a HAL-bound engine, the
     call-count probe: an engine whose routed modules do not all call the HAL does not start."""
     result = _stock_warm_up(self)
     if isinstance(self.vllm_config.quant_config, HalConfig):
@@ -163,10 +175,16 @@ def _checked_warm_up(self):
 
 
 def install() -> None:
-    """Run the call-count check at the end of the CPU worker's warm-up."""
+    """Run the call-count check at the end of the worker's warm-up (the CPU worker, or vLLM's GPU worker
+    on CUDA)."""
     global _stock_warm_up
-    from vllm.v1.worker.cpu_worker import CPUWorker
+    from vllm.platforms import current_platform
 
-    if CPUWorker.compile_or_warm_up_model is not _checked_warm_up:
-        _stock_warm_up = CPUWorker.compile_or_warm_up_model
-        CPUWorker.compile_or_warm_up_model = _checked_warm_up
+    if current_platform.is_cuda():
+        from vllm.v1.worker.gpu_worker import Worker
+    else:
+        from vllm.v1.worker.cpu_worker import CPUWorker as Worker
+
+    if Worker.compile_or_warm_up_model is not _checked_warm_up:
+        _stock_warm_up = Worker.compile_or_warm_up_model
+        Worker.compile_or_warm_up_model = _checked_warm_up

