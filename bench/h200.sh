@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (the `device` tool), from the repository root:
-#   bash bench/h200.sh STEP...     steps: equal tile kit-quick kit-full negative model bench sweep profile
+#   bash bench/h200.sh STEP...     steps: equal tile kit-quick kit-full negative model bench sweep profile vllm-part vllm
 #                                  (default: equal tile kit-quick negative model bench)
 # Installs this checkout (and the carried stevedore wheel in .whl/) into /tmp/site, then runs
 # from outside the checkout so that the installed package (with hal.backends.cuda) is imported.
@@ -76,6 +76,18 @@ for step in $steps; do
              cp /tmp/profile/profile.json "$out/" 2>/dev/null
              tar czf "$out/profile_csv.tgz" -C /tmp/profile $(cd /tmp/profile && ls *.csv *.log 2>/dev/null)
              tail -n 40 "$out/profile.log" ;;
+    vllm-part) # the GPU vLLM bundle comes in two parts of <= 48 MiB, one per call (carry .vllm-part0, then
+               # .vllm-part1 within the warm window); each call keeps its part in /tmp/vllm-parts
+               mkdir -p /tmp/vllm-parts; cp "$repo"/.vllm-part*/part.* "$repo"/.vllm-part*/SHA256SUMS /tmp/vllm-parts/ 2>/dev/null
+               ls -l /tmp/vllm-parts ;;
+    vllm) # unpack the bundle (../shared/tools/vllm-gpu/README.md), then bench/vllm_gpu.py (NOT RUN YET)
+          if [ ! -d /tmp/site/vllm ]; then
+            (cd /tmp/vllm-parts && sha256sum -c SHA256SUMS) && cat /tmp/vllm-parts/part.* | xz -d | tar -x -C /tmp/site || { status=1; continue; }
+          fi
+          export LD_LIBRARY_PATH=/opt/torch/.venv/lib/python3.12/site-packages/nvidia/cu13/lib:${LD_LIBRARY_PATH:-}
+          export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0
+          python3 "$repo/bench/vllm_gpu.py" ${VLLM_BENCH_ARGS:-} --json "$out/vllm_gpu.json" > "$out/vllm_gpu.log" 2>&1 || status=1
+          tail -n 30 "$out/vllm_gpu.log" ;;
     *) echo "unknown step $step"; status=2 ;;
   esac
 done
