@@ -74,14 +74,28 @@ class HalAttentionRoute:
             raise UnsupportedError("hal vLLM plugin: only causal attention without output quantization has a "
                                    "HAL route")
         n = attn_metadata.num_actual_tokens
-        b = attn_metadata.seq_lens.shape[0]
-        meta = AttentionMetadata(query_start_loc=attn_metadata.query_start_loc[:b + 1].to(torch.int32),
-                                 seq_lens=attn_metadata.seq_lens.to(torch.int32),
-                                 block_table=attn_metadata.block_table[:b].to(torch.int32))
+        meta = _hal_metadata(attn_metadata)
         k_cache, v_cache = hal_cache_views(kv_cache)
         out = self.hal.backend().attention(query[:n], k_cache, v_cache, meta, scale=self.scale)
         output[:n].copy_(out.reshape(output[:n].shape))
         return output
+
+
+def _hal_metadata(attn_metadata) -> AttentionMetadata:
+    """The HAL's metadata for vLLM's metadata of this step, made once and kept on it: every layer of the
+    step then passes the same object, so the HAL's value checks (a host synchronisation on a GPU) run
+    once per step, not once per layer."""
+    meta = getattr(attn_metadata, "_hal_metadata", None)
+    if meta is None:
+        b = attn_metadata.seq_lens.shape[0]
+        meta = AttentionMetadata(query_start_loc=attn_metadata.query_start_loc[:b + 1].to(torch.int32),
+                                 seq_lens=attn_metadata.seq_lens.to(torch.int32),
+                                 block_table=attn_metadata.block_table[:b].to(torch.int32))
+        try:
+            attn_metadata._hal_metadata = meta
+        except AttributeError:        # a metadata class with __slots__: build it per layer instead
+            pass
+    return meta
 
 
 class HalCpuAttentionImpl(HalAttentionRoute, CPUAttentionBackendImpl):

@@ -75,14 +75,17 @@ class HalRotaryEmbedding(_HalRouted, RotaryEmbedding):
         if self.hal is not None:
             if not self.is_neox_style:
                 raise UnsupportedError("hal vLLM plugin: only neox-style rotary embeddings have a HAL route")
-            self.hal_table = cos_sin_cache(self.rotary_dim, self.max_position_embeddings, self.base)
+            # A buffer (as vLLM's own cos_sin_cache): it lives on the model's device, so the forward
+            # (traced by torch.compile, replayed in CUDA graphs) never copies it from the host.
+            self.register_buffer("hal_table", cos_sin_cache(self.rotary_dim, self.max_position_embeddings,
+                                                            self.base), persistent=False)
 
     def _hal_forward(self, positions, query, key=None):
         if key is None:
             raise UnsupportedError("hal vLLM plugin: rotary embedding without keys has no HAL route")
         positions = positions.flatten()
         t = positions.shape[0]
-        table = self.hal_table.to(query.device)
+        table = self.hal_table if self.hal_table.device == query.device else self.hal_table.to(query.device)
         q, k = torch.ops.hal.rotary(self.hal.op_key, positions, query.reshape(t, -1, self.head_size),
                                     key.reshape(t, -1, self.head_size), table)
         return q.reshape(query.shape), k.reshape(key.shape)
