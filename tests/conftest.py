@@ -22,6 +22,21 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "examples" / "broken_backe
 NO_SKIP = os.environ.get("HAL_TEST_NO_SKIP") == "1"
 
 
+def backend_for_tests(name: str):
+    """A backend for CPU tests: ``cuda`` runs its kernels under Triton's interpreter (set above when no
+    GPU is present); with a GPU present the interpreter tests skip (the kernels are checked on the GPU
+    with bench/h200.sh)."""
+    from hal.api import create_backend
+
+    if name == "cuda":
+        pytest.importorskip("triton")
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("a GPU is present: the cuda kernels are tested on it with bench/h200.sh, not interpreted")
+    return create_backend(name)
+
+
+
+
 class HostFact(UserWarning):
     """A fact about this host's stock kernels (for example: its BLAS happens to be batch-invariant).
     Reported in pytest's warnings summary, never asserted: tests assert properties of the project."""

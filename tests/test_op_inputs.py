@@ -14,34 +14,23 @@ tests/conftest.py) and the stock ``torch`` baseline where a check applies to it.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
+from conftest import backend_for_tests
 from hal.errors import UnsupportedError
 
 HEAD_DIM = 64  # the smallest head dim the cuda kernels take
 
 
-def _backend(name):
-    from hal.api import create_backend
-
-    if name == "cuda":
-        pytest.importorskip("triton")
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            pytest.skip("a GPU is present: the cuda kernels are tested on it with bench/h200.sh, not interpreted")
-    return create_backend(name)
-
-
 @pytest.fixture(scope="module", params=["reference", "cuda"])
 def contract_backend(request):
-    return _backend(request.param)
+    return backend_for_tests(request.param)
 
 
 @pytest.fixture(scope="module", params=["reference", "cuda", "torch"])
 def any_backend(request):
-    return _backend(request.param)
+    return backend_for_tests(request.param)
 
 
 # ---------------------------------------------------------------------------------------------

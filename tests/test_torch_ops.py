@@ -12,11 +12,10 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
+from conftest import backend_for_tests
 from hal import torch_ops
 from hal.api import create_backend
 from hal.backend import AttentionMetadata
@@ -27,17 +26,9 @@ from hal.rope import cos_sin_cache
 HEAD_DIM = 64
 
 
-def _backend(name):
-    if name == "cuda":
-        pytest.importorskip("triton")
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            pytest.skip("a GPU is present: the cuda ops are checked on it with bench/h200.sh")
-    return create_backend(name)
-
-
 @pytest.fixture(scope="module", params=["reference", "cuda"])
 def bound(request):
-    backend = _backend(request.param)
+    backend = backend_for_tests(request.param)
     key = torch_ops.bind(f"test-{request.param}", lambda: backend)
     yield key, backend
     torch_ops.unbind(key)

@@ -93,11 +93,11 @@ class TorchBackend(Backend):
         return rotate(q), rotate(k)
 
     def log_softmax(self, logits, temperature=1.0):
-        return torch.log_softmax(logits.float() / temperature, dim=-1)
+        return _log_softmax(logits, temperature)
 
     def token_logprobs(self, logits, token_ids, temperature=1.0):
-        logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)  # not self.log_softmax: checked once
-        return logprobs.gather(-1, token_ids.long().view(-1, 1)).squeeze(-1)
+        # the module function, not self.log_softmax: the public op would run the input checks again
+        return _log_softmax(logits, temperature).gather(-1, token_ids.long().view(-1, 1)).squeeze(-1)
 
     def sum(self, x, dim=-1):
         return x.float().sum(dim)
@@ -107,3 +107,7 @@ class TorchBackend(Backend):
 
     def topk(self, x, k):
         return torch.topk(x, k, dim=-1)
+
+
+def _log_softmax(logits, temperature):
+    return torch.log_softmax(logits.float() / temperature, dim=-1)

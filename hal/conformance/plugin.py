@@ -77,7 +77,7 @@ def part_settings(hal_part: tuple[int, int]):
     """The hypothesis settings of one part: the profile's examples divided among the parts."""
     from hypothesis import settings
 
-    index, count = hal_part
+    _, count = hal_part
     profile = settings.get_profile("hal-conformance")
     return settings(profile, max_examples=max(1, -(-profile.max_examples // count)))
 
