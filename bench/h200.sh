@@ -80,14 +80,18 @@ for step in $steps; do
                # .vllm-part1 within the warm window); each call keeps its part in /tmp/vllm-parts
                mkdir -p /tmp/vllm-parts; cp "$repo"/.vllm-part*/part.* "$repo"/.vllm-part*/SHA256SUMS /tmp/vllm-parts/ 2>/dev/null
                ls -l /tmp/vllm-parts ;;
-    vllm) # unpack the bundle (../shared/tools/vllm-gpu/README.md), then bench/vllm_gpu.py (NOT RUN YET)
+    vllm) # unpack the bundle (../shared/tools/vllm-gpu/README.md), then bench/vllm_gpu.py with VLLM_BENCH_ARGS;
+          # VLLM_TAG names this run's files (several runs in one call)
           if [ ! -d /tmp/site/vllm ]; then
             (cd /tmp/vllm-parts && sha256sum -c SHA256SUMS) && cat /tmp/vllm-parts/part.* | xz -d | tar -x -C /tmp/site || { status=1; continue; }
           fi
           export LD_LIBRARY_PATH=/opt/torch/.venv/lib/python3.12/site-packages/nvidia/cu13/lib:${LD_LIBRARY_PATH:-}
-          export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0
-          python3 "$repo/bench/vllm_gpu.py" ${VLLM_BENCH_ARGS:-} --json "$out/vllm_gpu.json" > "$out/vllm_gpu.log" 2>&1 || status=1
-          tail -n 30 "$out/vllm_gpu.log" ;;
+          export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/kit/triton}
+          tag=${VLLM_TAG:-run}; work=/tmp/vllm-gpu-bench
+          python3 "$repo/bench/vllm_gpu.py" ${VLLM_BENCH_ARGS:-} --workdir "$work" --json "$out/vllm_gpu_$tag.json" \
+            > "$out/vllm_gpu_$tag.log" 2>&1 || status=1
+          (cd "$work" && tar czf "$out/vllm_engine_logs_$tag.tgz" *.log)
+          tail -n 40 "$out/vllm_gpu_$tag.log" ;;
     *) echo "unknown step $step"; status=2 ;;
   esac
 done

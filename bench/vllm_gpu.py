@@ -1,18 +1,27 @@
 """GPU vLLM (0.26) with the HAL plugin vs stock vLLM vs ``VLLM_BATCH_INVARIANT=1`` (issue #19's measurement).
 
-NOT RUN YET: written for the H200 with the offline vLLM bundle (../shared/tools/vllm-gpu/) unpacked into
-PYTHONPATH and this checkout installed next to it. Each engine runs in its own process (vLLM reads
-``VLLM_BATCH_INVARIANT`` at import), one after another, on the same random checkpoint and requests:
+For the H200 with the offline vLLM bundle (../shared/tools/vllm-gpu/) unpacked into PYTHONPATH and this
+checkout installed next to it (``bash bench/h200.sh vllm``). Each engine runs in its own process (vLLM
+reads ``VLLM_BATCH_INVARIANT`` at import), one after another, on the same random checkpoint and requests:
 
-* ``hal``: ``quantization="hal"`` bound to the ``cuda`` backend, compiled, PIECEWISE CUDA graphs;
-* ``stock``: vLLM's defaults (CUDA graphs + torch.compile);
-* ``batch-invariant``: stock with ``VLLM_BATCH_INVARIANT=1``.
+* ``hal``: ``quantization="hal"`` bound to the ``cuda`` backend, torch.compile + CUDA graphs (vLLM's
+  default compilation; attention runs between the graph pieces: PIECEWISE);
+* ``hal-eager``: the same with ``enforce_eager=True`` (no compile, no graphs): the compile path's control;
+* ``stock``: vLLM's defaults (CUDA graphs + torch.compile, FlashAttention, V2 model runner);
+* ``batch-invariant``: stock with ``VLLM_BATCH_INVARIANT=1``, vLLM's own deterministic mode.
 
-Then the trainer (``DecoderLM.sequence_logprobs`` on the ``cuda`` backend) recomputes every sampled
-token's logprob; the table gives generated tokens/s and mismatching logprobs per engine (0 expected for
-``hal``; the stock engines are the negative control). JSON with every number goes to ``--json``.
+Every engine does one warm-up generate, then one timed generate of all requests (generated tok/s). A
+HAL-bound engine then also: generates for the first requests again, once with prompt logprobs and once
+from its prefix cache (vLLM computes prompt logprobs without the cache), and times an in-place weight sync from a trainer model (GB/s of
+parameter bytes, then the digest check, timed apart).
+
+Then the trainer (``DecoderLM.sequence_logprobs`` on the ``cuda`` backend, the checkpoint's weights)
+recomputes every sampled token's logprob (and the prompt logprobs): the table gives tok/s and
+mismatching logprobs per engine (0 expected for ``hal``; the stock engines are the negative control).
+JSON with every number goes to ``--json``; a failed engine's last output lines go there too.
 
     python3 bench/vllm_gpu.py --json $OUT/vllm_gpu.json                 # Qwen3-1.7B-shaped, 256 requests
+    python3 bench/vllm_gpu.py --shape tiny --requests 16 --new-tokens 16 --engines hal,hal-eager
     python3 bench/vllm_gpu.py --shape 8b --requests 256 --new-tokens 256 --json ...
 """
 
@@ -28,13 +37,17 @@ from pathlib import Path
 
 import torch
 
-SHAPES = {  # random-weight models shaped like these (issue #19)
+SHAPES = {  # random-weight models shaped like these (issue #19); tiny: a quick check of the whole path
+    "tiny": dict(architecture="qwen3", vocab_size=4096, hidden_size=256, intermediate_size=768, num_layers=2,
+                 num_heads=4, num_kv_heads=2, head_dim=128, qk_norm=True, tie_word_embeddings=True),
     "1.7b": dict(architecture="qwen3", vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=28,
                  num_heads=16, num_kv_heads=8, head_dim=128, qk_norm=True, tie_word_embeddings=True),
     "8b": dict(architecture="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
                num_heads=32, num_kv_heads=8, head_dim=128, qk_norm=True),
 }
-ENGINES = ("hal", "stock", "batch-invariant")
+ENGINES = ("hal", "hal-eager", "stock", "batch-invariant")
+PROMPT_CHECK_REQUESTS = 16     # requests a HAL-bound engine serves again: with prompt logprobs, then from its prefix cache
+GPU_MEMORY_UTILIZATION = 0.6   # every engine: leaves room for the trainer model in the same process
 
 
 def requests(count: int, new_tokens: int, vocab: int, seed: int = 0):
@@ -47,32 +60,103 @@ def requests(count: int, new_tokens: int, vocab: int, seed: int = 0):
 
 
 def run_engine(args) -> None:
-    """Child process: one engine, warm-up, one timed generate; tokens and logprobs to ``args.out``."""
+    """Child process: one engine; warm-up, one timed generate; for HAL-bound engines the prompt-logprob /
+    prefix-cache pass and the timed weight sync. Results to ``args.out``."""
+    from hal.api import create_backend
+    from hal.model.checkpoint import load_pretrained
     from hal.vllm.binding import resolve_binding
     from hal.vllm.engine import VllmEngine
 
     model_dir = Path(args.model)
     config = json.loads((model_dir / "bench_meta.json").read_text())
     reqs = requests(args.requests, args.new_tokens, config["vocab_size"])
-    binding = resolve_binding({"backend": "cuda"}) if args.engine == "hal" else None
+    hal_bound = args.engine.startswith("hal")
+    binding = resolve_binding({"backend": "cuda"}) if hal_bound else None
     t0 = time.perf_counter()
     engine = VllmEngine(model_dir, binding=binding, dtype="bfloat16", max_model_len=1024,
-                        max_num_seqs=args.requests, max_num_batched_tokens=8192, enforce_eager=False)
-    start_s = time.perf_counter() - t0
+                        max_num_seqs=args.requests, max_num_batched_tokens=8192,
+                        enforce_eager=args.engine == "hal-eager", gpu_memory_utilization=GPU_MEMORY_UTILIZATION)
+    result = {"engine": args.engine, "start_s": time.perf_counter() - t0}
+    print(f"{args.engine}: engine up in {result['start_s']:.0f} s", flush=True)
     try:
         engine.generate(reqs[:8])                                   # warm-up
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         completions = engine.generate(reqs)
         torch.cuda.synchronize()
-        seconds = time.perf_counter() - t0
+        result["seconds"] = time.perf_counter() - t0
+        result["generated"] = sum(len(c.tokens) for c in completions)
+        result["tokens"] = [c.tokens for c in completions]
+        result["logprobs"] = [c.logprobs for c in completions]
+        print(f"{args.engine}: {result['generated'] / result['seconds']:.0f} generated tok/s "
+              f"({result['generated']} tokens in {result['seconds']:.1f} s)", flush=True)
+        if hal_bound:
+            # vLLM computes a request with prompt logprobs without its prefix cache: the prompt-logprob pass
+            # is one pass, the prefix-cache pass another (its prompts were all served above: cache hits)
+            check = [r.__class__(prompt=r.prompt, max_new_tokens=4, seed=r.seed) for r in reqs[:PROMPT_CHECK_REQUESTS]]
+            passes = [engine.generate(check, prompt_logprobs=True), engine.generate(check)]
+            result["prompt_check"] = [{"tokens": c.tokens, "logprobs": c.logprobs, "prompt_logprobs": c.prompt_logprobs,
+                                       "cached_prompt_tokens": c.cached_prompt_tokens} for c in passes[0]]
+            result["cache_check"] = [{"tokens": c.tokens, "logprobs": c.logprobs,
+                                      "cached_prompt_tokens": c.cached_prompt_tokens} for c in passes[1]]
+            trainer = load_pretrained(model_dir, backend=create_backend("cuda"), device="cuda")
+            with torch.no_grad():                # a different model: one ulp-scale step on every weight
+                for p in trainer.parameters():
+                    p.mul_(1.0078125)
+            nbytes = sum(p.numel() * p.element_size() for p in trainer.parameters())
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            digest = engine.sync_weights(trainer)
+            result["sync_total_s"] = time.perf_counter() - t0
+            result["sync_reload_s"] = engine.last_sync_seconds["reload"]
+            result["sync_bytes"] = nbytes
+            result["sync_digest"] = digest
+            print(f"{args.engine}: weight sync {nbytes / 1e9:.2f} GB in place in {result['sync_reload_s']:.3f} s "
+                  f"({nbytes / 1e9 / result['sync_reload_s']:.0f} GB/s), verified by digest in "
+                  f"{result['sync_total_s'] - result['sync_reload_s']:.1f} s more", flush=True)
     finally:
         engine.close()
-    generated = sum(len(c.tokens) for c in completions)
-    torch.save({"engine": args.engine, "start_s": start_s, "seconds": seconds, "generated": generated,
-                "tokens": [c.tokens for c in completions], "logprobs": [c.logprobs for c in completions]}, args.out)
-    print(f"{args.engine}: {generated / seconds:.0f} generated tok/s ({generated} tokens in {seconds:.1f} s; "
-          f"start-up {start_s:.0f} s)", flush=True)
+        torch.save(result, args.out)
+
+
+def make_checkpoint(shape: str, model_dir: Path) -> None:
+    from hal.api import create_backend
+    from hal.model.checkpoint import save_pretrained
+    from hal.model.config import ModelConfig
+    from hal.model.model import DecoderLM
+
+    config = ModelConfig(dtype="bfloat16", **SHAPES[shape])
+    print(f"writing a random {shape}-shaped checkpoint to {model_dir}", flush=True)
+    save_pretrained(DecoderLM.random(config, seed=1, backend=create_backend("reference")), model_dir)
+    (model_dir / "bench_meta.json").write_text(json.dumps({"vocab_size": config.vocab_size}))
+
+
+def trainer_logprobs(trainer, sequences, starts, batch: int = 16) -> list[torch.Tensor]:
+    out = []
+    with torch.no_grad():
+        for i in range(0, len(sequences), batch):     # bounded activation memory at 151936-wide logits
+            out += [t.cpu() for t in trainer.sequence_logprobs(sequences[i:i + batch], starts[i:i + batch])]
+    return out
+
+
+def compare(trainer, reqs, r: dict) -> dict:
+    """Sampled-token logprobs of the timed run (and a HAL engine's prompt check) against the trainer's."""
+    from hal.metrics import compare_logprobs
+
+    sequences = [list(q.prompt) + list(t) for q, t in zip(reqs, r["tokens"])]
+    c = compare_logprobs(trainer_logprobs(trainer, sequences, [len(q.prompt) for q in reqs]), list(r["logprobs"]))
+    row = {"tokens": c.num_tokens, "mismatches": c.mismatches, "max_abs_dlogp": c.max_abs_diff}
+    if "prompt_check" in r:
+        checks, cached = r["prompt_check"], r["cache_check"]
+        full = [list(q.prompt) + list(p["tokens"]) for q, p in zip(reqs, checks)]
+        train = trainer_logprobs(trainer, full, [1] * len(full))
+        p = compare_logprobs(train, [torch.cat([p["prompt_logprobs"], p["logprobs"]]) for p in checks])
+        c = compare_logprobs([t[len(q.prompt) - 1:] for t, q in zip(train, reqs)], [p["logprobs"] for p in cached])
+        row.update(prompt_check_tokens=p.num_tokens, prompt_check_mismatches=p.mismatches,
+                   prefix_cache_hit_tokens=sum(p["cached_prompt_tokens"] for p in cached),
+                   prefix_cache_tokens=c.num_tokens, prefix_cache_mismatches=c.mismatches,
+                   prefix_cache_same_tokens=all(a["tokens"] == b["tokens"] for a, b in zip(checks, cached)))
+    return row
 
 
 def main(argv=None) -> int:
@@ -80,7 +164,9 @@ def main(argv=None) -> int:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="1.7b")
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=256)
-    parser.add_argument("--engines", default=",".join(ENGINES))
+    parser.add_argument("--engines", default="hal,stock,batch-invariant",
+                        help=f"comma-separated, from {', '.join(ENGINES)}")
+    parser.add_argument("--engine-timeout", type=int, default=420, help="seconds per engine process")
     parser.add_argument("--workdir", default="/tmp/vllm-gpu-bench")
     parser.add_argument("--json", default=None)
     parser.add_argument("--engine", choices=ENGINES, help=argparse.SUPPRESS)   # child mode
@@ -90,60 +176,78 @@ def main(argv=None) -> int:
     if args.engine:
         run_engine(args)
         return 0
+    engines = args.engines.split(",")
+    unknown = sorted(set(engines) - set(ENGINES))
+    if unknown:
+        parser.error(f"unknown engines {unknown}; choose from {', '.join(ENGINES)}")
 
     from hal.api import create_backend
-    from hal.metrics import compare_logprobs
-    from hal.model.checkpoint import load_pretrained, save_pretrained
-    from hal.model.config import ModelConfig
-    from hal.model.model import DecoderLM
+    from hal.model.checkpoint import load_pretrained
 
     work = Path(args.workdir)
     model_dir = work / f"model-{args.shape}"
-    config = ModelConfig(dtype="bfloat16", **SHAPES[args.shape])
     if not (model_dir / "bench_meta.json").exists():
-        print(f"writing a random {args.shape}-shaped checkpoint to {model_dir}", flush=True)
-        save_pretrained(DecoderLM.random(config, seed=1, backend=create_backend("reference")), model_dir)
-        (model_dir / "bench_meta.json").write_text(json.dumps({"vocab_size": config.vocab_size}))
+        make_checkpoint(args.shape, model_dir)
+    vocab = json.loads((model_dir / "bench_meta.json").read_text())["vocab_size"]
 
     results = {}
-    for name in args.engines.split(","):
+    for name in engines:
         env = dict(os.environ, VLLM_BATCH_INVARIANT="1" if name == "batch-invariant" else "0")
-        out = work / f"{name}.pt"
+        out, log = work / f"{args.shape}-{name}.pt", work / f"{args.shape}-{name}.log"
+        out.unlink(missing_ok=True)
         cmd = [sys.executable, __file__, "--engine", name, "--model", str(model_dir), "--out", str(out),
                "--requests", str(args.requests), "--new-tokens", str(args.new_tokens)]
-        done = subprocess.run(cmd, env=env)
-        results[name] = torch.load(out) if done.returncode == 0 and out.exists() else {"failed": done.returncode}
+        print(f"== engine {name}", flush=True)
+        with open(log, "w") as f:
+            try:
+                rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=args.engine_timeout).returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+        tail = log.read_text(errors="replace").splitlines()
+        print("\n".join(line for line in tail if line.startswith(name + ":")), flush=True)
+        r = torch.load(out, weights_only=False) if out.exists() else {}
+        if rc != 0 or "seconds" not in r:
+            r["failed"] = rc
+            r["log_tail"] = tail[-60:]
+            print(f"{name}: FAILED (rc {rc}); last lines:\n" + "\n".join(tail[-40:]), flush=True)
+        results[name] = r
 
-    trainer = load_pretrained(model_dir, backend=create_backend("cuda"))
-    reqs = requests(args.requests, args.new_tokens, config.vocab_size)
+    trainer = load_pretrained(model_dir, backend=create_backend("cuda"), device="cuda")
+    reqs = requests(args.requests, args.new_tokens, vocab)
     rows = []
     for name, r in results.items():
-        if "failed" in r:
-            rows.append({"engine": name, "failed": r["failed"]})
-            continue
-        sequences = [list(q.prompt) + list(t) for q, t in zip(reqs, r["tokens"])]
-        with torch.no_grad():
-            train = []
-            for i in range(0, len(sequences), 16):     # bounded activation memory at 151936-wide logits
-                train += trainer.sequence_logprobs(sequences[i:i + 16], [len(q.prompt) for q in reqs[i:i + 16]])
-        c = compare_logprobs([t.cpu() for t in train], [lp.cpu() for lp in r["logprobs"]])
-        rows.append({"engine": name, "tok_s": r["generated"] / r["seconds"], "generated": r["generated"],
-                     "seconds": r["seconds"], "start_s": r["start_s"], "tokens": c.num_tokens,
-                     "mismatches": c.mismatches, "max_abs_dlogp": c.max_abs_diff})
+        row = {"engine": name, "start_s": r.get("start_s")}
+        if "seconds" in r:
+            row.update(tok_s=r["generated"] / r["seconds"], generated=r["generated"], seconds=r["seconds"])
+            row.update(compare(trainer, reqs, r))
+        for key in ("sync_total_s", "sync_reload_s", "sync_bytes", "failed", "log_tail"):
+            if key in r:
+                row[key] = r[key]
+        if "sync_reload_s" in r:
+            row["sync_gb_s"] = r["sync_bytes"] / 1e9 / r["sync_reload_s"]
+        rows.append(row)
     stock = next((row["tok_s"] for row in rows if row["engine"] == "stock" and "tok_s" in row), None)
-    print(f"\n{'engine':18} {'tok/s':>9} {'vs stock':>9} {'mismatching logprobs':>22} {'max|dlogp|':>11}")
+    print(f"\n{args.shape}-shaped model, {args.requests} requests x {args.new_tokens} new tokens, "
+          f"{torch.cuda.get_device_name()}")
+    print(f"{'engine':16} {'tok/s':>8} {'vs stock':>8} {'start s':>8} {'sampled lp mismatches':>22} {'max|dlogp|':>10} "
+          f"{'prompt lp mism.':>16} {'prefix-cache hits':>20} {'sync GB/s':>9}")
     for row in rows:
-        if "failed" in row:
-            print(f"{row['engine']:18} failed (rc {row['failed']})")
+        if "tok_s" not in row:
+            print(f"{row['engine']:16} failed ({row.get('failed')})")
             continue
         ratio = f"{row['tok_s'] / stock:.3f}" if stock else "-"
-        print(f"{row['engine']:18} {row['tok_s']:9.0f} {ratio:>9} {row['mismatches']:>12}/{row['tokens']:<9} "
-              f"{row['max_abs_dlogp']:11.3g}")
+        prompt = f"{row['prompt_check_mismatches']}/{row['prompt_check_tokens']}" if "prompt_check_tokens" in row else "-"
+        hits = (f"{row['prefix_cache_hit_tokens']} ({row['prefix_cache_mismatches']} mism.)"
+                if "prefix_cache_hit_tokens" in row else "-")
+        sync = f"{row['sync_gb_s']:.0f}" if "sync_gb_s" in row else "-"
+        print(f"{row['engine']:16} {row['tok_s']:8.0f} {ratio:>8} {row['start_s']:8.0f} "
+              f"{row['mismatches']:>12}/{row['tokens']:<9} {row['max_abs_dlogp']:10.3g} {prompt:>16} {hits:>20} {sync:>9}")
     if args.json:
         Path(args.json).write_text(json.dumps({"shape": args.shape, "config": SHAPES[args.shape],
                                                "requests": args.requests, "new_tokens": args.new_tokens,
+                                               "gpu_memory_utilization": GPU_MEMORY_UTILIZATION,
                                                "device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
-    return 0
+    return 0 if all("tok_s" in row for row in rows) else 1
 
 
 if __name__ == "__main__":

@@ -122,6 +122,30 @@ def test_greedy_and_stop_tokens():
     assert torch.equal(stopped.logprobs, greedy.logprobs[:len(stopped.tokens)])
 
 
+def test_batched_sampler_picks_the_row_by_row_tokens():
+    """``sample_rows`` (what an accelerator's logits are sampled with: all rows at once, on their device)
+    picks ``sample_token``'s token for every row, at every temperature, greedy included, across more
+    rows than one chunk of ``ROWS_AT_ONCE``; ties go to the lower id as row by row. Run here on the CPU
+    (the GPU run is in bench/vllm_gpu.py). Negative control: positions off by one change the draws."""
+    from hal.rollout import sampler
+
+    g = torch.Generator().manual_seed(5)
+    rows, vocab = sampler.ROWS_AT_ONCE + 9, 997
+    logits = torch.randn(rows, vocab, generator=g) * 3
+    logits[3] = 0.0                                       # a row of ties
+    seeds = torch.randint(0, 2**62, (rows,), generator=g).tolist()
+    positions = torch.randint(0, 5000, (rows,), generator=g).tolist()
+    temperatures = [(0.0, 0.7, 1.0, 1.3)[i % 4] for i in range(rows)]
+    temperatures[3] = 1.0
+    expected = [sampler.sample_token(logits[i], seeds[i], positions[i], temperatures[i]) for i in range(rows)]
+    assert sampler.sample_rows(logits, seeds, positions, temperatures).tolist() == expected
+    assert sampler.sample_rows(logits[3:4].clone().fill_(0), [1], [1], [0.0]).tolist() == [0]
+    shifted = sampler.sample_rows(logits, seeds, [p + 1 for p in positions], temperatures).tolist()
+    assert sum(a != b for a, b in zip(shifted, expected)) > rows // 2
+    with pytest.raises(ValueError, match="temperature"):
+        sampler.sample_rows(logits[:1], [1], [1], [-1.0])
+
+
 def test_sampler_depends_only_on_seed_and_position():
     logits = torch.randn(64)
     assert torch.equal(gumbel_noise(3, 10, 64), gumbel_noise(3, 10, 64))

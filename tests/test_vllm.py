@@ -266,6 +266,27 @@ def test_routed_op_calls_the_backend_and_unrouted_ops_are_refused(hal_bound):
         hal_bound.get_quant_method(torch.nn.Conv1d(2, 2, 1), "model.conv")
 
 
+def test_a_token_embedding_used_as_the_lm_head_computes_logits_through_the_hal(hal_bound):
+    """vLLM 0.26's Qwen3 with tied embeddings makes ``model.embed_tokens`` its lm_head (0.32 ties a
+    ParallelLMHead instead): the embedding's quant method must then give the HAL's fp32 logits, while
+    its lookup stays the exact gather. Negative control: the stock (bf16) logits differ."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    # the layer without its tensor-parallel set-up (which needs a process group): its class and weight
+    embedding = VocabParallelEmbedding.__new__(VocabParallelEmbedding)
+    torch.nn.Module.__init__(embedding)
+    embedding.weight = torch.nn.Parameter(torch.randn(256, 64).to(torch.bfloat16), requires_grad=False)
+    method = hal_bound.get_quant_method(embedding, "model.embed_tokens")
+    x = torch.randn(7, 64).to(torch.bfloat16)
+    logits = method.apply(embedding, x)
+    assert logits.dtype == torch.float32
+    assert torch.equal(logits, hal_bound.backend().linear(x, embedding.weight, out_dtype=torch.float32))
+    ids = torch.tensor([0, 5, 255])
+    assert torch.equal(method.embedding(embedding, ids), embedding.weight[ids])
+    # what the stock method computes (vLLM's dispatch: bf16 logits from the activation-dtype GEMM)
+    assert not torch.equal(torch.nn.functional.linear(x, embedding.weight).float(), logits)
+
+
 def test_ops_of_an_engine_without_the_plugin_stay_stock(vllm_config_context):
     from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm
 

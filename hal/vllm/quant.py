@@ -25,7 +25,7 @@ from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMetho
 from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 from vllm.model_executor.layers.vocab_parallel_embedding import (
-    ParallelLMHead, UnquantizedEmbeddingMethod, VocabParallelEmbedding)
+    UnquantizedEmbeddingMethod, VocabParallelEmbedding)
 from vllm.platforms import current_platform
 
 from hal import torch_ops
@@ -92,10 +92,11 @@ class HalConfig(QuantizationConfig):
         return cls(config)
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
-        if isinstance(layer, ParallelLMHead):
-            return HalLMHeadMethod(self)
         if isinstance(layer, VocabParallelEmbedding):
-            return UnquantizedEmbeddingMethod()    # an exact gather (F.embedding), as in the trainer
+            # The lm_head, and the token embedding too: its lookup is the stock exact gather (F.embedding,
+            # as in the trainer), and a tied model's logits come from it (vLLM 0.26's Qwen3 makes the
+            # embedding its lm_head when tie_word_embeddings is set, so its apply is the logits GEMM).
+            return HalLMHeadMethod(self)
         if isinstance(layer, LinearBase):
             return HalLinearMethod(self)
         if isinstance(layer, Attention):
@@ -146,8 +147,9 @@ def _require_gpu_routes(layer: Attention) -> None:
     """On CUDA, what vLLM chooses per engine must be the HAL's: the ``CUSTOM`` attention member (vLLM
     picks its own backend otherwise) and the V1 model runner (vLLM 0.26's V2 runner has its own sampler,
     which the HAL's sampler route does not reach). Checked when vLLM asks for the attention layer's
-    quant method, after it chose the layer's backend."""
-    if not current_platform.is_cuda():
+    quant method, after it chose the layer's backend; once per layer (vLLM asks again when it reloads
+    weights, outside any engine config context, where vLLM 0.26 cannot be asked for the config)."""
+    if not current_platform.is_cuda() or getattr(layer, "_hal_routes_checked", False):
         return
     name = layer.attn_backend.get_name()
     if name != "CUSTOM":
@@ -158,6 +160,7 @@ def _require_gpu_routes(layer: Attention) -> None:
         raise UnsupportedError("hal vLLM plugin: vLLM's V2 model runner samples with its own sampler, which the "
                                "HAL does not route; start the engine with VLLM_USE_V2_MODEL_RUNNER=0 "
                                "(hal.vllm.engine.VllmEngine sets it)")
+    layer._hal_routes_checked = True
 
 
 # ---------------------------------------------------------------------------------------------
@@ -185,7 +188,8 @@ class HalLinearMethod(_HalGemm, UnquantizedLinearMethod):
 
 
 class HalLMHeadMethod(_HalGemm, UnquantizedEmbeddingMethod):
-    """The lm_head: fp32 logits straight out of the GEMM, as the trainer's ``DecoderLM`` computes them."""
+    """The lm_head (and the token embedding, which is a tied model's lm_head): fp32 logits straight out of
+    the GEMM, as the trainer's ``DecoderLM`` computes them; the embedding lookup stays the exact gather."""
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return torch.ops.hal.linear(self.config.op_key, x, layer.weight, bias, True)
