@@ -12,8 +12,9 @@ reads ``VLLM_BATCH_INVARIANT`` at import), one after another, on the same random
 
 Every engine does one warm-up generate, then one timed generate of all requests (generated tok/s). A
 HAL-bound engine then also: generates for the first requests again, once with prompt logprobs and once
-from its prefix cache (vLLM computes prompt logprobs without the cache), and times an in-place weight sync from a trainer model (GB/s of
-parameter bytes, then the digest check, timed apart).
+from its prefix cache (vLLM computes prompt logprobs without the cache); times an in-place weight sync
+to a trainer model with other weights (GB/s of parameter bytes; the digest check timed apart); and
+serves the first requests once more, which the trainer with the new weights must agree with.
 
 Then the trainer (``DecoderLM.sequence_logprobs`` on the ``cuda`` backend, the checkpoint's weights)
 recomputes every sampled token's logprob (and the prompt logprobs): the table gives tok/s and
@@ -62,8 +63,6 @@ def requests(count: int, new_tokens: int, vocab: int, seed: int = 0):
 def run_engine(args) -> None:
     """Child process: one engine; warm-up, one timed generate; for HAL-bound engines the prompt-logprob /
     prefix-cache pass and the timed weight sync. Results to ``args.out``."""
-    from hal.api import create_backend
-    from hal.model.checkpoint import load_pretrained
     from hal.vllm.binding import resolve_binding
     from hal.vllm.engine import VllmEngine
 
@@ -99,10 +98,7 @@ def run_engine(args) -> None:
                                        "cached_prompt_tokens": c.cached_prompt_tokens} for c in passes[0]]
             result["cache_check"] = [{"tokens": c.tokens, "logprobs": c.logprobs,
                                       "cached_prompt_tokens": c.cached_prompt_tokens} for c in passes[1]]
-            trainer = load_pretrained(model_dir, backend=create_backend("cuda"), device="cuda")
-            with torch.no_grad():                # a different model: one ulp-scale step on every weight
-                for p in trainer.parameters():
-                    p.mul_(1.0078125)
+            trainer = synced_trainer(model_dir)
             nbytes = sum(p.numel() * p.element_size() for p in trainer.parameters())
             torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -114,9 +110,26 @@ def run_engine(args) -> None:
             print(f"{args.engine}: weight sync {nbytes / 1e9:.2f} GB in place in {result['sync_reload_s']:.3f} s "
                   f"({nbytes / 1e9 / result['sync_reload_s']:.0f} GB/s), verified by digest in "
                   f"{result['sync_total_s'] - result['sync_reload_s']:.1f} s more", flush=True)
+            # the synced engine serves the check requests again: the trainer with the new weights must agree
+            result["post_sync_check"] = [{"tokens": c.tokens, "logprobs": c.logprobs} for c in engine.generate(check)]
     finally:
         engine.close()
         torch.save(result, args.out)
+
+
+SYNC_SCALE = 1.0078125   # the weight sync's new model: every weight times 1 + 2**-7 (rounded to bf16)
+
+
+def synced_trainer(model_dir: Path):
+    """The trainer model a HAL-bound engine is synced to: the checkpoint's weights times SYNC_SCALE."""
+    from hal.api import create_backend
+    from hal.model.checkpoint import load_pretrained
+
+    trainer = load_pretrained(model_dir, backend=create_backend("cuda"), device="cuda")
+    with torch.no_grad():
+        for p in trainer.parameters():
+            p.mul_(SYNC_SCALE)
+    return trainer
 
 
 def make_checkpoint(shape: str, model_dir: Path) -> None:
@@ -139,7 +152,7 @@ def trainer_logprobs(trainer, sequences, starts, batch: int = 16) -> list[torch.
     return out
 
 
-def compare(trainer, reqs, r: dict) -> dict:
+def compare(trainer, reqs, r: dict, model_dir: Path) -> dict:
     """Sampled-token logprobs of the timed run (and a HAL engine's prompt check) against the trainer's."""
     from hal.metrics import compare_logprobs
 
@@ -156,6 +169,14 @@ def compare(trainer, reqs, r: dict) -> dict:
                    prefix_cache_hit_tokens=sum(p["cached_prompt_tokens"] for p in cached),
                    prefix_cache_tokens=c.num_tokens, prefix_cache_mismatches=c.mismatches,
                    prefix_cache_same_tokens=all(a["tokens"] == b["tokens"] for a, b in zip(checks, cached)))
+    if "post_sync_check" in r:
+        post = r["post_sync_check"]
+        sequences = [list(q.prompt) + list(p["tokens"]) for q, p in zip(reqs, post)]
+        new_weights = synced_trainer(Path(model_dir))
+        s = compare_logprobs(trainer_logprobs(new_weights, sequences, [len(q.prompt) for q in reqs[:len(post)]]),
+                             [p["logprobs"] for p in post])
+        del new_weights
+        row.update(post_sync_tokens=s.num_tokens, post_sync_mismatches=s.mismatches)
     return row
 
 
@@ -219,7 +240,7 @@ def main(argv=None) -> int:
         row = {"engine": name, "start_s": r.get("start_s")}
         if "seconds" in r:
             row.update(tok_s=r["generated"] / r["seconds"], generated=r["generated"], seconds=r["seconds"])
-            row.update(compare(trainer, reqs, r))
+            row.update(compare(trainer, reqs, r, model_dir))
         for key in ("sync_total_s", "sync_reload_s", "sync_bytes", "failed", "log_tail"):
             if key in r:
                 row[key] = r[key]
@@ -240,6 +261,8 @@ def main(argv=None) -> int:
         hits = (f"{row['prefix_cache_hit_tokens']} ({row['prefix_cache_mismatches']} mism.)"
                 if "prefix_cache_hit_tokens" in row else "-")
         sync = f"{row['sync_gb_s']:.0f}" if "sync_gb_s" in row else "-"
+        if "post_sync_tokens" in row:
+            sync += f" (then {row['post_sync_mismatches']}/{row['post_sync_tokens']} mism.)"
         print(f"{row['engine']:16} {row['tok_s']:8.0f} {ratio:>8} {row['start_s']:8.0f} "
               f"{row['mismatches']:>12}/{row['tokens']:<9} {row['max_abs_dlogp']:10.3g} {prompt:>16} {hits:>20} {sync:>9}")
     if args.json:
