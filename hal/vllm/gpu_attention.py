@@ -1,6 +1,7 @@
 """Attention through the HAL on CUDA (vLLM 0.26): vLLM's ``CUSTOM`` attention backend member.
 
-Written against vLLM 0.26.0's source (``v1/attention/backends/triton_attn.py``); NOT RUN ON A GPU YET.
+Written against vLLM 0.26.0's source (``v1/attention/backends/triton_attn.py``); run on the H200 (diff = 0
+with torch.compile and CUDA graphs: bench/results/h200-2026-12-01-session3/).
 It reuses the Triton backend's metadata builder and cache layout: logical (pages, Hkv, P, 2D), K and V
 side by side, which ``hal.vllm.attention.hal_cache_views`` reads as strided (pages, P, Hkv, D) views.
 The cache write (``do_kv_cache_update``) and the attention call the HAL backend
