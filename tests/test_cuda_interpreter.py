@@ -190,14 +190,17 @@ def test_attention_finds_each_tile_sequence_on_the_device(cuda, reference):
                                          chunks_16_splits_32, policy=CUDA_LAUNCH, split_parallel=True, head_split=2,
                                          heads_fastest=True)
     assert torch.equal(parallel, per_head), "one program per query head changed the bits"
-    # 16-key splits (up to 3 per sequence): programs of 1, 2 or 3 consecutive splits, and the in-kernel walk
-    by_split = [attention.paged_attention(q, k, v, meta.query_start_loc, meta.seq_lens, meta.block_table, d ** -0.5,
-                                          _attention_spec(16, 16), policy=CUDA_LAUNCH, split_parallel=sp,
+    # 16-key splits (up to 3 per sequence): programs of 1, 2 or 3 consecutive splits, and the in-kernel walk,
+    # on the first 24 sequences (the scan across 128 is the whole batch's; this is about the splits)
+    starts = meta.query_start_loc.tolist()
+    few = build_metadata(q_lens[:24], seq_lens[:24], page_lists[:24])
+    few_rows = slice(0, starts[24])
+    by_split = [attention.paged_attention(q[few_rows], k, v, few.query_start_loc, few.seq_lens, few.block_table,
+                                          d ** -0.5, _attention_spec(16, 16), policy=CUDA_LAUNCH, split_parallel=sp,
                                           splits_per_program=g)
                 for sp, g in ((True, 1), (True, 2), (True, 3), (False, 1))]
     assert all(torch.equal(by_split[0], o) for o in by_split[1:]), "splits per program changed the bits"
-    assert not torch.equal(by_split[0], parallel), "kv_split does not reach the kernel"  # negative control
-    starts = meta.query_start_loc.tolist()
+    assert not torch.equal(by_split[0], parallel[few_rows]), "kv_split does not reach the kernel"  # negative control
     for b in (0, 1, 2, 64, 127, 128, 129):
         alone = build_metadata([q_lens[b]], [seq_lens[b]], [page_lists[b]])
         rows = slice(starts[b], starts[b + 1])
@@ -288,3 +291,39 @@ def test_masked_nan_keys_contribute_nothing_on_every_launch_path(cuda):
         planted = run(k, v, launch)
         assert torch.equal(planted[:first_seeing], clean[:first_seeing]), launch
         assert not torch.isfinite(planted[first_seeing:].float()).any()
+
+
+@pytest.mark.parametrize("page_size", [16, 5])
+def test_write_kv_kernel_stores_what_the_indexed_copy_stores_and_skips_padding(cuda, reference, page_size):
+    """The write_kv kernel (hal/kernels/kv_write.py: no host synchronisation; not yet wired into the cuda
+    backend, see its docstring) into vLLM's layout (K and V side by
+    side per head: strided views of one buffer), scrambled slots, padding tokens at -1: the caches equal
+    the default indexed copy's bit for bit and padding slots keep their old contents. A slot past the
+    cache is refused. Negative control: other slots give other caches."""
+    from hal.errors import UnsupportedError
+    from hal.kernels import kv_write
+
+    g = torch.Generator().manual_seed(4)
+    pages, heads, d, tokens = 12, 2, 64, 40
+    slots = torch.randperm(pages * page_size, generator=g)[:tokens]
+    slots[::9] = -1                                           # vLLM's padding tokens
+    k = torch.randn(tokens, heads, d, generator=g).to(torch.bfloat16)
+    v = torch.randn(tokens, heads, d, generator=g).to(torch.bfloat16)
+    start = torch.randn(pages, heads, page_size, 2 * d, generator=g).to(torch.bfloat16)
+
+    def written(write, slot_mapping):
+        cache = start.clone()
+        # vLLM's cache (pages, Hkv, P, 2D) as the HAL's (pages, P, Hkv, D) views (hal.vllm.attention.hal_cache_views)
+        k_cache, v_cache = cache[..., :d].transpose(1, 2), cache[..., d:].transpose(1, 2)
+        write(k, v, k_cache, v_cache, slot_mapping)
+        return cache
+
+    kernel, indexed = written(kv_write.write_kv, slots), written(reference.write_kv, slots)
+    assert torch.equal(kernel, indexed)
+    untouched = torch.ones(pages * page_size, dtype=torch.bool)
+    untouched[slots[slots >= 0]] = False
+    as_slots = kernel.transpose(1, 2).reshape(pages * page_size, heads, 2 * d)
+    assert torch.equal(as_slots[untouched], start.transpose(1, 2).reshape(pages * page_size, heads, 2 * d)[untouched])
+    assert not torch.equal(written(kv_write.write_kv, torch.roll(slots, 1)), kernel)         # negative control
+    with pytest.raises(UnsupportedError, match="outside the caches"):
+        written(kv_write.write_kv, torch.full((tokens,), pages * page_size))
