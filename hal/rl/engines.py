@@ -80,9 +80,13 @@ class VllmRolloutEngine:
         baseline = backend.contract is None
         binding = None if baseline else resolve_binding({"backend": backend.name, "contract": backend.contract.name})
         path = save_pretrained(model, run_dir / "engine-model")
+        on_gpu = model.device.type == "cuda"
+        compiled = on_gpu if recipe.vllm.compile is None else recipe.vllm.compile
         self.engine = VllmEngine(path, binding=binding, dtype=model.config.dtype, seed=recipe.seed,
                                  max_model_len=recipe.task.prompt_len + recipe.max_tokens + 8,
-                                 max_num_seqs=recipe.prompts_per_step * recipe.samples_per_prompt)
+                                 max_num_seqs=recipe.prompts_per_step * recipe.samples_per_prompt,
+                                 enforce_eager=not compiled,
+                                 gpu_memory_utilization=recipe.vllm.gpu_memory_utilization if on_gpu else None)
         reported = self.engine.reported_binding()
         if baseline:
             self.label = "vllm (stock kernels)"

@@ -70,6 +70,14 @@ class HarnessSpec:
 
 
 @dataclass
+class VllmSpec:
+    """The vLLM rollout engine (``engine: vllm``; ``hal.vllm.engine.VllmEngine``)."""
+
+    compile: bool | None = None                       # torch.compile + CUDA graphs; null: on a GPU, not on a CPU
+    gpu_memory_utilization: float = 0.5               # vLLM's share of the GPU (the trainer shares it); GPU only
+
+
+@dataclass
 class Recipe:
     """Everything one ``hal run`` needs. See docs/rl.md for the meaning of every key."""
 
@@ -80,6 +88,7 @@ class Recipe:
     contract: str | None = None
     engine: str = "harness"
     harness: HarnessSpec = field(default_factory=HarnessSpec)
+    vllm: VllmSpec = field(default_factory=VllmSpec)
     steps: int = 30
     prompts_per_step: int = 4
     samples_per_prompt: int = 4
@@ -103,7 +112,7 @@ class Recipe:
         return dataclasses.replace(self, **changes)
 
 
-_SECTIONS = {"model": ModelSpec, "task": TaskSpec, "harness": HarnessSpec}
+_SECTIONS = {"model": ModelSpec, "task": TaskSpec, "harness": HarnessSpec, "vllm": VllmSpec}
 
 
 def _fields(cls) -> dict[str, dataclasses.Field]:
@@ -273,6 +282,9 @@ def _check_vllm_engine(recipe: Recipe, bad) -> None:
     if recipe.temperature != 1.0:
         raise bad("temperature", recipe.temperature, "the vLLM engine reports raw (temperature-1) logprobs; use "
                   "temperature: 1.0 with engine: vllm, or engine: harness")
+    if not 0.0 < recipe.vllm.gpu_memory_utilization < 1.0:
+        raise bad("vllm.gpu_memory_utilization", recipe.vllm.gpu_memory_utilization,
+                  "vLLM's share of the GPU's memory: must be in (0, 1), leaving the rest to the trainer")
     m = recipe.model
     if m.checkpoint is None:
         from hal.model.config import tiny_config
