@@ -90,7 +90,7 @@ for step in $steps; do
           tag=${VLLM_TAG:-run}; work=/tmp/vllm-gpu-bench
           python3 "$repo/bench/vllm_gpu.py" ${VLLM_BENCH_ARGS:-} --workdir "$work" --json "$out/vllm_gpu_$tag.json" \
             > "$out/vllm_gpu_$tag.log" 2>&1 || status=1
-          (cd "$work" && tar czf "$out/vllm_engine_logs_$tag.tgz" *.log)
+          (cd "$work" && tar czf "$out/vllm_engine_logs_$tag.tgz" *.log $(ls *.profile.txt 2>/dev/null))
           tail -n 40 "$out/vllm_gpu_$tag.log" ;;
     *) echo "unknown step $step"; status=2 ;;
   esac

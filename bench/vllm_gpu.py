@@ -24,11 +24,13 @@ JSON with every number goes to ``--json``; a failed engine's last output lines g
     python3 bench/vllm_gpu.py --json $OUT/vllm_gpu.json                 # Qwen3-1.7B-shaped, 256 requests
     python3 bench/vllm_gpu.py --shape tiny --requests 16 --new-tokens 16 --engines hal,hal-eager
     python3 bench/vllm_gpu.py --shape 8b --requests 256 --new-tokens 256 --json ...
+    python3 bench/vllm_gpu.py --engines hal,stock --profile      # where the time goes (WORKDIR/*.profile.txt)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -81,8 +83,9 @@ def run_engine(args) -> None:
         engine.generate(reqs[:8])                                   # warm-up
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        completions = engine.generate(reqs)
-        torch.cuda.synchronize()
+        with profiled(args.profile, Path(args.out).with_suffix(".profile.txt")):
+            completions = engine.generate(reqs)
+            torch.cuda.synchronize()
         result["seconds"] = time.perf_counter() - t0
         result["generated"] = sum(len(c.tokens) for c in completions)
         result["tokens"] = [c.tokens for c in completions]
@@ -115,6 +118,22 @@ def run_engine(args) -> None:
     finally:
         engine.close()
         torch.save(result, args.out)
+
+
+@contextlib.contextmanager
+def profiled(enabled: bool, table: Path):
+    """With ``--profile``: torch.profiler over the timed generate; the top ops by GPU time and by host
+    time go to ``table`` (a profiled run is slower: its tok/s is not a speed figure)."""
+    if not enabled:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        yield
+    averages = prof.key_averages()
+    table.write_text("by GPU time\n" + averages.table(sort_by="cuda_time_total", row_limit=40)
+                     + "\n\nby host time\n" + averages.table(sort_by="self_cpu_time_total", row_limit=40))
 
 
 SYNC_SCALE = 1.0078125   # the weight sync's new model: every weight times 1 + 2**-7 (rounded to bf16)
@@ -188,6 +207,8 @@ def main(argv=None) -> int:
     parser.add_argument("--engines", default="hal,stock,batch-invariant",
                         help=f"comma-separated, from {', '.join(ENGINES)}")
     parser.add_argument("--engine-timeout", type=int, default=420, help="seconds per engine process")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile each engine's timed generate (torch.profiler; tables next to its results)")
     parser.add_argument("--workdir", default="/tmp/vllm-gpu-bench")
     parser.add_argument("--json", default=None)
     parser.add_argument("--engine", choices=ENGINES, help=argparse.SUPPRESS)   # child mode
@@ -217,7 +238,7 @@ def main(argv=None) -> int:
         out, log = work / f"{args.shape}-{name}.pt", work / f"{args.shape}-{name}.log"
         out.unlink(missing_ok=True)
         cmd = [sys.executable, __file__, "--engine", name, "--model", str(model_dir), "--out", str(out),
-               "--requests", str(args.requests), "--new-tokens", str(args.new_tokens)]
+               "--requests", str(args.requests), "--new-tokens", str(args.new_tokens)] + (["--profile"] if args.profile else [])
         print(f"== engine {name}", flush=True)
         with open(log, "w") as f:
             try:

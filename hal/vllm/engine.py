@@ -171,13 +171,17 @@ class VllmEngine:
         return reports[0]
 
     def sync_weights(self, model: DecoderLM) -> str:
-        """Copy ``model``'s weights into the engine's own buffers (vLLM's in-place ``reload_weights``), then
+        """Copy ``model``'s weights into the engine's own buffers (a HAL-bound engine: the model's
+        ``load_weights`` straight into its parameters; stock: vLLM's in-place ``reload_weights``), then
         ``check_weights`` them, including that every parameter kept its storage (in place).
         ``self.last_sync_seconds``: {"reload": the copy, "check": the digest check}."""
         storage = self._one_worker("hal_weight_pointers")
         weights = [(name, param[rows].detach()) for name, (param, rows) in hf_slices(model).items()]
         t0 = time.perf_counter()
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        if self.binding is not None:     # weights kept as loaded: a plain in-place copy (HalWorkerExtension)
+            self.llm.collective_rpc("hal_load_weights", kwargs={"weights": weights})
+        else:                            # stock kernels repack their weights: vLLM reloads and re-processes
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         self.last_sync_seconds = {"reload": time.perf_counter() - t0}

@@ -54,6 +54,16 @@ class HalWorkerExtension:
         return {"bindings": [b.to_dict() for b in sorted(bindings, key=str)], "unrouted": unrouted,
                 "silent": silent, "pid": os.getpid()}
 
+    def hal_load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> int:
+        """Copy (HF name, tensor) pairs into the model's parameters through the model's own ``load_weights``
+        (its per-parameter loaders write into the existing storage), skipping vLLM's layerwise
+        ``reload_weights`` machinery (which moves every layer's tensors to the meta device and back, then
+        re-runs the weight processing): a HAL-bound engine keeps its weights exactly as loaded, so there
+        is nothing to re-process. Returns how many parameters were written."""
+        with torch.no_grad():
+            loaded = self._hal_model().load_weights(weights)
+        return len(loaded or ())
+
     def hal_weight_pointers(self) -> dict:
         """{vLLM parameter name: data_ptr}: where each weight lives (a sync must not move it)."""
         return {name: p.data_ptr() for name, p in self._hal_model().named_parameters()}
