@@ -26,8 +26,10 @@ run: $(STAMP)
 # broken install). Two workers, one test file each at a time (--dist loadfile keeps a file's shared vLLM
 # engine or compiled kernels in one process), one OpenMP thread each (two workers with two threads each
 # on 2 cores ran the suite in 16.5 min instead of 8: the threads spin against each other); the 15
-# slowest tests are listed at the end.
-PYTEST_ARGS ?= -n 2 --dist loadfile --durations=15
+# slowest tests are listed at the end. --no-loadscope-reorder: files are handed out in collection order,
+# which tests/conftest.py starts with the files that take minutes (xdist's default order, most tests
+# first, started the one-test tiny cuda kit last).
+PYTEST_ARGS ?= -n 2 --dist loadfile --no-loadscope-reorder --durations=15
 test: $(STAMP)
 	OMP_NUM_THREADS=1 HAL_TEST_NO_SKIP=1 HAL_TEST_REQUIRE_VLLM=1 $(BIN)/python -m pytest -q $(PYTEST_ARGS)
 

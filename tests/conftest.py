@@ -66,9 +66,9 @@ def pytest_make_collect_report(collector):
 
 
 #: test files that each take minutes on 2 cores, longest first: they run first, so that pytest-xdist
-#: (--dist loadfile hands out files in collection order) does not start one of them last, when the other
-#: worker has nothing left to run beside it (measured: the tiny-depth cuda kit started 7 minutes in made
-#: the suite 12 minutes instead of 10)
+#: (--dist loadfile --no-loadscope-reorder, the Makefile's: files in collection order) does not start
+#: one of them last, when the other worker has nothing left to run beside it (measured: the tiny-depth
+#: cuda kit started 6-7 minutes in made the suite 12 minutes instead of 10)
 LONGEST_FIRST = ("test_cuda_conformance_tiny.py", "test_cuda_interpreter.py", "test_conformance_kit.py",
                  "test_vllm.py")
 
