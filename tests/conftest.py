@@ -35,8 +35,6 @@ def backend_for_tests(name: str):
     return create_backend(name)
 
 
-
-
 class HostFact(UserWarning):
     """A fact about this host's stock kernels (for example: its BLAS happens to be batch-invariant).
     Reported in pytest's warnings summary, never asserted: tests assert properties of the project."""

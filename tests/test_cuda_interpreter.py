@@ -8,13 +8,12 @@ results are in bench/results/ (run on the H200 with bench/h200.sh).
 
 from __future__ import annotations
 
-import os
-
 import dataclasses
 
 import pytest
 import torch
 
+from conftest import backend_for_tests
 from hal.contract import load_contract
 
 pytest.importorskip("triton")
@@ -32,13 +31,8 @@ def _attention_spec(kv_chunk, kv_split):
 
 @pytest.fixture(scope="module")
 def cuda():
-    """The cuda backend with its kernels run by the interpreter (tests/conftest.py sets
-    TRITON_INTERPRET=1 before triton is imported when no GPU is present)."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("a GPU is present: the cuda kernels are tested on it with bench/h200.sh, not interpreted")
-    from hal.api import create_backend
-
-    return create_backend("cuda")
+    """The cuda backend with its kernels run by the interpreter (conftest.backend_for_tests)."""
+    return backend_for_tests("cuda")
 
 
 @pytest.fixture(scope="module")

@@ -68,22 +68,36 @@ def position_seed(seed: int, position: int) -> int:
     return _signed(key)
 
 
+def _stream_bits(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(B, V) int64: splitmix64's stream from each key (B,), on the keys' device: element i of a row is
+    ``mix(key + (i + 1) * gamma)`` (int64 products and sums wrap mod 2**64, as the hash wants)."""
+    index = torch.arange(1, vocab_size + 1, dtype=torch.int64, device=keys.device) * _signed(_GAMMA)
+    return _mix(index[None, :] + keys[:, None])
+
+
+def _uniform(bits: torch.Tensor) -> torch.Tensor:
+    """fp64 uniforms in the open interval (0, 1) from hash bits: the top 53 bits, centred in their cell."""
+    return (_shr(bits, 11).to(torch.float64) + 0.5) * 2.0 ** -53
+
+
+def _gumbel(bits: torch.Tensor) -> torch.Tensor:
+    """fp64 Gumbel(0, 1) noise from hash bits, ``-log(-log(u))`` (finite: u is never 0 or 1)."""
+    return -torch.log(-torch.log(_uniform(bits)))
+
+
 def uniform_bits(seed: int, position: int, vocab_size: int) -> torch.Tensor:
-    """(V,) int64: the 64 hash bits of (seed, position, index) for every vocabulary index (splitmix64's
-    stream from the key: element i is ``mix(key + (i + 1) * gamma)``)."""
-    index = torch.arange(1, vocab_size + 1, dtype=torch.int64)
-    return _mix(index * _signed(_GAMMA) + position_seed(seed, position))
+    """(V,) int64: the 64 hash bits of (seed, position, index) for every vocabulary index."""
+    return _stream_bits(torch.tensor([position_seed(seed, position)], dtype=torch.int64), vocab_size)[0]
 
 
 def uniform_noise(seed: int, position: int, vocab_size: int) -> torch.Tensor:
     """(V,) fp64 uniforms in the open interval (0, 1): the top 53 hash bits, centred in their cell."""
-    top = _shr(uniform_bits(seed, position, vocab_size), 11)
-    return (top.to(torch.float64) + 0.5) * 2.0 ** -53
+    return _uniform(uniform_bits(seed, position, vocab_size))
 
 
 def gumbel_noise(seed: int, position: int, vocab_size: int) -> torch.Tensor:
     """(V,) fp64 Gumbel(0, 1) noise for (seed, position), on the CPU (finite: U is never 0 or 1)."""
-    return -torch.log(-torch.log(uniform_noise(seed, position, vocab_size)))
+    return _gumbel(uniform_bits(seed, position, vocab_size))
 
 
 def sample_token(logits: torch.Tensor, seed: int, position: int, temperature: float) -> int:
@@ -121,14 +135,12 @@ def sample_rows(logits: torch.Tensor, seeds: Sequence[int], positions: Sequence[
         raise ValueError(f"temperature must be >= 0, got {min(temperatures)}")
     device, (rows, vocab) = logits.device, logits.shape
     tokens = torch.empty(rows, dtype=torch.int64, device=device)
-    stream = torch.arange(1, vocab + 1, dtype=torch.int64, device=device) * _signed(_GAMMA)
     for start in range(0, rows, ROWS_AT_ONCE):
         part = range(start, min(start + ROWS_AT_ONCE, rows))
         keys = torch.tensor([position_seed(seeds[i], positions[i]) for i in part], dtype=torch.int64, device=device)
         temps = torch.tensor([float(temperatures[i]) for i in part], dtype=torch.float64, device=device)[:, None]
-        uniform = (_shr(_mix(stream[None, :] + keys[:, None]), 11).to(torch.float64) + 0.5) * 2.0 ** -53
         x = logits[start:part.stop].detach().to(torch.float64)
         greedy = temps == 0
-        scores = torch.where(greedy, x, x / torch.where(greedy, 1.0, temps) - torch.log(-torch.log(uniform)))
+        scores = torch.where(greedy, x, x / torch.where(greedy, 1.0, temps) + _gumbel(_stream_bits(keys, vocab)))
         tokens[start:part.stop] = torch.argmax(scores, dim=1)     # the first maximum: ties to the lower id
     return tokens

@@ -84,8 +84,8 @@ class HalSamplingState(LogitsProcessor):
 
 
 def _hal_sample(logits: torch.Tensor, sampling_metadata, logprobs_mode_override=None):
-    """``Sampler.sample`` of a HAL-bound engine: ``hal.rollout.sampler.sample_tokens`` row by row, at the
-    position prompt length + tokens generated so far (the harness's position)."""
+    """``Sampler.sample`` of a HAL-bound engine: ``hal.rollout.sampler.sample_tokens`` (on the logits'
+    device), at the position prompt length + tokens generated so far (the harness's position)."""
     processors = list(sampling_metadata.logitsprocs.all)
     if not processors:
         # vLLM's sampler warm-up (_dummy_sampler_run, in compiled / CUDA-graph engines) passes an empty
