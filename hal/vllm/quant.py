@@ -12,9 +12,11 @@ level because vLLM's multi-process mode pickles them.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import threading
-import uuid
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -31,13 +33,47 @@ from vllm.platforms import current_platform
 from hal import torch_ops
 from hal.api import create_backend, require_fingerprint
 from hal.backend import Backend
-from hal.errors import ContractMismatchError, UnsupportedError
+from hal.errors import ContractMismatchError, HalError, UnsupportedError
 from hal.vllm.binding import QUANT_METHOD, EngineBinding, kernel_environment, resolve_binding
 
 if TYPE_CHECKING:
     from hal.vllm.introspection import CallCounter
 
 log = logging.getLogger(__name__)
+
+
+def op_key(binding: EngineBinding) -> str:
+    """The ``torch.ops.hal`` key of every engine with this binding. Derived from the binding, not made
+    per engine: vLLM keeps compiled graphs on disk across processes (its torch.compile cache), with the
+    key in them as a constant, and an engine started later with the same binding reuses them (its
+    key must be the same); a graph compiled for another binding names another key and fails loudly
+    (``VllmEngine`` also puts the key into vLLM's cache hash, ``additional_config``)."""
+    text = json.dumps(binding.to_dict(), sort_keys=True)
+    return f"vllm-hal-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+
+
+# The live engine configs under each key (engines of one binding in one process share their key).
+_configs: dict[str, list[weakref.ref]] = {}
+
+
+def _provider(key: str):
+    """What ``torch.ops.hal`` calls under ``key``: the backend of the config being probed
+    (``introspection.probe_hal_calls`` counts calls through its config), else of the latest live one;
+    the configs under one key are bound alike (the key is their binding's), so their backends compute
+    the same bits."""
+    def provide() -> Backend:
+        live = [c for c in (ref() for ref in _configs.get(key, ())) if c is not None]
+        if not live:
+            raise HalError(f"torch.ops.hal: no live HAL-bound vLLM engine under key {key!r}")
+        probing = [c for c in live if c._call_counter is not None]
+        return (probing or live)[-1].backend()
+    return provide
+
+
+def _register(config: "HalConfig") -> None:
+    refs = _configs.setdefault(config.op_key, [])
+    refs[:] = [r for r in refs if r() is not None] + [weakref.ref(config)]
+    torch_ops.bind(config.op_key, _provider(config.op_key))
 
 
 class HalConfig(QuantizationConfig):
@@ -54,9 +90,10 @@ class HalConfig(QuantizationConfig):
         self._backend: Backend | None = None
         self._lock = threading.Lock()
         self._call_counter: CallCounter | None = None     # set while introspection.probe_hal_calls runs
-        # The routed ops call torch.ops.hal.* (opaque to torch.compile) with this key, which finds
-        # self.backend() in each process (re-bound when the config is unpickled in an engine process).
-        self.op_key = torch_ops.bind(f"vllm-engine-{uuid.uuid4().hex[:12]}", self.backend)
+        # The routed ops call torch.ops.hal.* (opaque to torch.compile) with this key, which finds a
+        # backend of this binding in each process (registered again when the config is unpickled there).
+        self.op_key = op_key(self.binding)
+        _register(self)
 
     def __getstate__(self):               # pickled to engine processes: the backend is made there
         state = self.__dict__.copy()
@@ -66,7 +103,7 @@ class HalConfig(QuantizationConfig):
     def __setstate__(self, state):
         self.__dict__.update(state)
         self._lock = threading.Lock()
-        torch_ops.bind(self.op_key, self.backend)
+        _register(self)
 
     def __repr__(self) -> str:
         return f"HalConfig({self.binding.describe()})"
