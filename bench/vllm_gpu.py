@@ -38,6 +38,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -92,12 +93,21 @@ def run_engine(args) -> None:
         engine.generate(requests(args.requests, 8, config["vocab_size"], seed=1))
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        completions = engine.generate(reqs)
-        torch.cuda.synchronize()
+        with step_times(engine) as steps:
+            completions = engine.generate(reqs)
+            torch.cuda.synchronize()
         result["seconds"] = time.perf_counter() - t0
+        result["step_ms"] = steps
+        decode = sorted(steps[len(steps) // 4:])          # past the prefill chunks (all requests arrive at once)
+        print(f"{args.engine}: {len(steps)} engine steps; first 12 (ms): {' '.join(f'{t:.1f}' for t in steps[:12])}; "
+              f"later steps median {decode[len(decode) // 2]:.1f} ms", flush=True)
         if args.profile:   # a third set of prompts, profiled (slower: not the speed figure)
+            threads = sorted(f"{t.name}{' (daemon)' if t.daemon else ''}" for t in threading.enumerate())
+            print(f"{args.engine}: {len(threads)} Python threads in the engine process: {', '.join(threads)}", flush=True)
             with profiled(Path(args.out).with_suffix(".profile.txt")):
                 engine.generate(requests(args.requests, args.new_tokens, config["vocab_size"], seed=2))
+            with python_profiled(Path(args.out).with_suffix(".python.profile.txt")):
+                engine.generate(requests(args.requests, 32, config["vocab_size"], seed=3))
         result["generated"] = sum(len(c.tokens) for c in completions)
         result["tokens"] = [c.tokens for c in completions]
         result["logprobs"] = [c.logprobs for c in completions]
@@ -150,6 +160,46 @@ def profiled(table: Path):
     print(f"profile: {head.strip()}", flush=True)
     table.write_text(head + "by GPU time\n" + averages.table(sort_by="self_device_time_total", row_limit=50)
                      + "\n\nby host time\n" + averages.table(sort_by="self_cpu_time_total", row_limit=50))
+
+
+@contextlib.contextmanager
+def step_times(engine):
+    """Wall milliseconds of every engine step (vLLM's LLMEngine.step: schedule, forward, sample, outputs)."""
+    llm_engine = engine.llm.llm_engine
+    step, times = llm_engine.step, []
+
+    def timed_step(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return step(*a, **k)
+        finally:
+            times.append((time.perf_counter() - t0) * 1e3)
+    llm_engine.step = timed_step
+    try:
+        yield times
+    finally:
+        del llm_engine.step
+
+
+@contextlib.contextmanager
+def python_profiled(table: Path):
+    """cProfile (this thread's Python: the engine core runs in-process) over a generate; the functions
+    with the most own time and the most cumulative time go to ``table``."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    try:
+        yield
+    finally:
+        prof.disable()
+        out = io.StringIO()
+        stats = pstats.Stats(prof, stream=out)
+        stats.sort_stats("tottime").print_stats(45)
+        stats.sort_stats("cumulative").print_stats(60)
+        table.write_text(out.getvalue())
 
 
 SYNC_SCALE = 1.0078125   # the weight sync's new model: every weight times 1 + 2**-7 (rounded to bf16)
@@ -282,7 +332,7 @@ def main(argv=None) -> int:
         if "seconds" in r:
             row.update(tok_s=r["generated"] / r["seconds"], generated=r["generated"], seconds=r["seconds"])
             row.update(compare(trainer, reqs, r, model_dir))
-        for key in ("sync_total_s", "sync_reload_s", "sync_bytes", "failed", "log_tail"):
+        for key in ("sync_total_s", "sync_reload_s", "sync_bytes", "failed", "log_tail", "step_ms"):
             if key in r:
                 row[key] = r[key]
         if "sync_reload_s" in r:

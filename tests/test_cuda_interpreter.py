@@ -353,3 +353,36 @@ def test_sampling_kernel_picks_the_torch_samplers_tokens(cuda):
     shifted = kernel([p + 1 for p in positions])
     sampled = [i for i, t in enumerate(temperatures) if t > 0 and i != 3]
     assert sum(shifted[i] != expected[i] for i in sampled) > len(sampled) // 2
+
+
+@pytest.mark.parametrize("split_parallel", [True, False])
+def test_attention_rows_no_sequence_owns_change_nothing(cuda, split_parallel):
+    """vLLM's full CUDA graphs pad a decode batch to the captured size: padding requests with no queries
+    (seq_len 0) and q rows past query_start_loc[-1] that no sequence owns. The owned rows' outputs are
+    bitwise those of the unpadded call, in-kernel and with parallel splits (whose merge reads no partial
+    for an unowned row and writes 0 there). Negative control: another query changes its row."""
+    from hal.backends.cuda.launch import CUDA_LAUNCH
+    from hal.kernels import attention
+    from hal.kvcache import build_metadata
+
+    g = torch.Generator().manual_seed(8)
+    page, d, seq_lens = 16, 64, [40, 75, 23]
+    pages = [list(range(i * 5, i * 5 + -(-s // page))) for i, s in enumerate(seq_lens)]
+    k = torch.randn(16, page, 1, d, generator=g).to(torch.bfloat16)
+    v = torch.randn(16, page, 1, d, generator=g).to(torch.bfloat16)
+    q = torch.randn(3, 2, d, generator=g).to(torch.bfloat16)
+    spec = _attention_spec(16, 32)
+
+    def run(q, meta):
+        return attention.paged_attention(q, k, v, meta.query_start_loc, meta.seq_lens, meta.block_table, d ** -0.5,
+                                         spec, policy=CUDA_LAUNCH, split_parallel=split_parallel)
+
+    plain = run(q, build_metadata([1, 1, 1], seq_lens, pages))
+    padded_q = torch.cat([q, torch.randn(5, 2, d, generator=g).to(torch.bfloat16)])
+    padded = run(padded_q, build_metadata([1, 1, 1, 0, 0], seq_lens + [0, 0], pages + [[0], [0]]))
+    assert torch.equal(padded[:3], plain)
+    if split_parallel:
+        assert not padded[3:].any()
+    other = q.clone()
+    other[1] = -other[1]
+    assert not torch.equal(run(other, build_metadata([1, 1, 1], seq_lens, pages))[1], plain[1])

@@ -333,13 +333,16 @@ def _merge_kernel(part_m_ptr, part_l_ptr, part_a_ptr, part_pos_ptr, out_ptr, str
     decode shape (H200, device time)."""
     token = tl.program_id(0)
     head = tl.program_id(1)
+    # -1 for a row no sequence owns (q rows past query_start_loc[-1], e.g. vLLM's CUDA-graph padding):
+    # no split is read, the row's output is 0
     position = tl.load(part_pos_ptr + token)
+    splits = tl.where(position >= 0, tl.minimum(position // KV_SPLIT + 1, max_splits), 0)
     offs_d = tl.arange(0, HEAD_DIM)
     big_m = zero_scalar() + float("-inf")
     big_l = zero_scalar()
     big_a = tl.zeros((HEAD_DIM,), dtype=tl.float32)
     base = (token.to(tl.int64) * num_q_heads + head) * max_splits
-    for split in tl.range(0, position // KV_SPLIT + 1, num_stages=1):
+    for split in tl.range(0, splits, num_stages=1):
         m = tl.load(part_m_ptr + base + split)
         l = tl.load(part_l_ptr + base + split)
         acc = tl.load(part_a_ptr + (base + split) * HEAD_DIM + offs_d)
@@ -349,7 +352,7 @@ def _merge_kernel(part_m_ptr, part_l_ptr, part_a_ptr, part_pos_ptr, out_ptr, str
         big_l = big_l * a + l * bb
         big_a = big_a * a + acc * bb
         big_m = m_merged
-    out = tl.div_rn(big_a, big_l)
+    out = tl.div_rn(big_a, tl.where(splits > 0, big_l, 1.0))   # an owned row's L >= 1 (its maximum's p is 1)
     tl.store(out_ptr + token.to(tl.int64) * stride_ot + head * stride_oh + offs_d, to_activation(out, IS_BF16))
 
 
@@ -489,7 +492,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         rows = tokens * q_heads * max_splits
         parts = torch.empty((2 + head_dim) * rows, device=q.device, dtype=torch.float32)  # one allocation
         part_m, part_l, part_a = parts.split([rows, rows, head_dim * rows])
-        part_pos = torch.empty(tokens, device=q.device, dtype=torch.int32)
+        part_pos = torch.full((tokens,), -1, device=q.device, dtype=torch.int32)  # -1: no sequence owns the row
         _attention_kernel[grid(triton.cdiv(max_splits, per_program))](
             q, k_arg, v_arg, out, part_m, part_l, part_a, part_pos, query_start_loc, seq_lens, block_table,
             num_seqs, num_tiles, *strides, q_heads, max_splits, scale_log2e, group, SPLIT_PARALLEL=True, **meta)

@@ -7,11 +7,17 @@ side by side, which ``hal.vllm.attention.hal_cache_views`` reads as strided (pag
 The cache write (``do_kv_cache_update``) and the attention call the HAL backend
 (``hal.vllm.attention.HalAttentionRoute``).
 
-CUDA graphs: the builder declares ``AttentionCGSupport.NEVER``, so vLLM's default
-``FULL_AND_PIECEWISE`` becomes ``PIECEWISE``: the compiled pieces between attention calls are captured
-as graphs, and attention with its cache write runs eagerly between them, where the HAL's attention
-input checks may read the metadata (one host synchronisation per step) and ``write_kv`` may select
-the valid slots. Whether the HAL attention can join full graphs is left to a measurement.
+CUDA graphs: the builder declares ``AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE``, so vLLM's default
+``FULL_AND_PIECEWISE`` captures decode steps (every request one new token) as full graphs, attention and
+cache write included, and runs prefill and mixed steps piecewise (attention eagerly between the captured
+pieces). The HAL's attention and ``write_kv`` can be captured: their launches depend on shapes alone
+(the block table's width, not its contents; the metadata stays on the device), the value checks are
+skipped while a graph is captured (``hal.backend._value_stamp``), and a captured decode step replays
+with no Python at all (an eager attention call costs the host ~0.1-0.3 ms, 28 of them per step of the
+1.7B-shaped model: bench/results/h200-2026-12-01-session4/). vLLM captures with every seq_len 1 and pads
+a replayed batch to the captured size; a padding request's row (no visible key) is computed and
+dropped, its slot is -1 (nothing written). The value checks then run only on eager (prefill and mixed)
+steps.
 
 Imported only on CUDA platforms (``hal.vllm.attention.install``): it imports vLLM's Triton backend.
 """
@@ -34,7 +40,7 @@ class HalGpuAttentionImpl(HalAttentionRoute, TritonAttentionImpl):
 
 
 class HalGpuMetadataBuilder(TritonAttentionMetadataBuilder):
-    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
 
 
 class HalGpuAttentionBackend(TritonAttentionBackend):
