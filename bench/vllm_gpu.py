@@ -7,6 +7,8 @@ reads ``VLLM_BATCH_INVARIANT`` at import), one after another, on the same random
 * ``hal``: ``quantization="hal"`` bound to the ``cuda`` backend, torch.compile + CUDA graphs (vLLM's
   default compilation; attention runs between the graph pieces: PIECEWISE);
 * ``hal-eager``: the same with ``enforce_eager=True`` (no compile, no graphs): the compile path's control;
+* ``hal-async``: ``hal`` with vLLM's async scheduling; its tokens must equal ``hal``'s (the same seeds,
+  positions and logits), which the table reports when both ran;
 * ``stock``: vLLM's defaults (CUDA graphs + torch.compile, FlashAttention, V2 model runner);
 * ``batch-invariant``: stock with ``VLLM_BATCH_INVARIANT=1``, vLLM's own deterministic mode.
 
@@ -52,7 +54,7 @@ SHAPES = {  # random-weight models shaped like these (issue #19); tiny: a quick 
     "8b": dict(architecture="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
                num_heads=32, num_kv_heads=8, head_dim=128, qk_norm=True),
 }
-ENGINES = ("hal", "hal-eager", "stock", "batch-invariant")
+ENGINES = ("hal", "hal-eager", "hal-async", "stock", "batch-invariant")
 PROMPT_CHECK_REQUESTS = 16     # requests a HAL-bound engine serves again: with prompt logprobs, then from its prefix cache
 GPU_MEMORY_UTILIZATION = 0.6   # every engine: leaves room for the trainer model in the same process
 
@@ -81,7 +83,7 @@ def run_engine(args) -> None:
     engine = VllmEngine(model_dir, binding=binding, dtype="bfloat16", max_model_len=1024,
                         max_num_seqs=args.requests, max_num_batched_tokens=8192,
                         enforce_eager=args.engine == "hal-eager", gpu_memory_utilization=GPU_MEMORY_UTILIZATION,
-                        block_size=args.block_size)
+                        block_size=args.block_size, async_scheduling=args.engine == "hal-async")
     result = {"engine": args.engine, "start_s": time.perf_counter() - t0,
               "block_size": getattr(getattr(engine.llm.llm_engine, "vllm_config", None), "cache_config", None)}
     result["block_size"] = getattr(result["block_size"], "block_size", None)
@@ -338,6 +340,12 @@ def main(argv=None) -> int:
         if "sync_reload_s" in r:
             row["sync_gb_s"] = r["sync_bytes"] / 1e9 / r["sync_reload_s"]
         rows.append(row)
+    hal_tokens = results.get("hal", {}).get("tokens")
+    for row in rows:     # another HAL engine's tokens against the hal engine's: the sampler's positions
+        r = results[row["engine"]]
+        if row["engine"].startswith("hal-") and hal_tokens is not None and "tokens" in r:
+            row["tokens_equal_hal"] = sum(a == b for a, b in zip(r["tokens"], hal_tokens))
+            print(f"{row['engine']}: {row['tokens_equal_hal']}/{len(hal_tokens)} requests with the hal engine's tokens")
     stock = next((row["tok_s"] for row in rows if row["engine"] == "stock" and "tok_s" in row), None)
     print(f"\n{args.shape}-shaped model, {args.requests} requests x {args.new_tokens} new tokens, "
           f"{torch.cuda.get_device_name()}")
