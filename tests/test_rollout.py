@@ -241,3 +241,73 @@ def test_long_context_negative_control_decode_with_another_kv_split():
         # only those with more than kv_split keys can differ, and they do
         assert differ and min(differ) >= kv_split + 1 - LONG_PROMPT
         assert all(torch.equal(lp, c.logprobs) for c, lp in zip(completions[1:], train[1:]))
+
+
+# -- speculative decoding: the same tokens and bits as plain decoding (issue #24) ----------------------
+
+class DecodeChunkBackend(ReferenceBackend):
+    """Planted non-conformance: a single-query sequence (decode) runs attention over KV chunks of 16 keys
+    instead of the contract's 64; a chunk of several queries (a prefill chunk, a draft verification) as
+    the contract says. Plain decoding then differs from a verification of the same positions."""
+
+    name = "decode-chunk"
+
+    def attention(self, q, k_cache, v_cache, meta, *, scale):
+        out = super().attention(q, k_cache, v_cache, meta, scale=scale)
+        narrow = dataclasses.replace(self.contract.attention, kv_chunk=16)
+        other = paged_attention(q, k_cache, v_cache, meta, scale, narrow)
+        starts, _, _ = meta.host_lists()
+        for b in range(len(starts) - 1):
+            if starts[b + 1] - starts[b] == 1:
+                out[starts[b]] = other[starts[b]]
+        return out
+
+
+SPEC_REQUESTS = [  # repetitive prompts (prompt lookup finds drafts), greedy and sampled
+    Request(tuple([5, 9, 2] * 4), 16, seed=1, temperature=0.0),
+    Request((7, 7, 7, 7, 3), 16, seed=2, temperature=0.0, stop_token_ids=(13,)),
+    Request((4, 1, 4, 1, 4), 16, seed=3, temperature=1.0),
+    Request(tuple(range(20, 30)), 16, seed=4, temperature=0.7),
+]
+
+
+def plain_and_speculative(backend):
+    model = DecoderLM.random(tiny_config("llama", "float32"), seed=11, backend=backend)
+    plain = RolloutHarness(model, HarnessConfig(page_size=4, max_num_seqs=4, max_batch_tokens=24, seed=0))
+    spec = RolloutHarness(model, HarnessConfig(page_size=4, num_pages=24, max_num_seqs=4, max_batch_tokens=24,
+                                               speculative_tokens=3, preempt_prob=0.1, seed=5))
+    return model, plain.generate(SPEC_REQUESTS), spec.generate(SPEC_REQUESTS), spec.stats
+
+
+def test_speculative_decoding_gives_plain_decodings_tokens_and_logprob_bits():
+    """Prompt-lookup drafts verified as one chunk of queries, each position's target token sampled with
+    its (seed, position) noise, a draft accepted iff it equals the target before it: the same tokens as
+    plain decoding and bitwise the same logprobs (greedy, T = 1 and 0.7, a stop token, preemption, a
+    small page pool), equal to the trainer's recomputation. The run accepted drafts and rejected some."""
+    model, plain, spec, stats = plain_and_speculative(REF)
+    assert stats.draft_tokens > stats.accepted_tokens > 0 and stats.preemptions > 0
+    assert 0 < stats.acceptance_rate < 1
+    for a, b in zip(plain, spec):
+        assert a.tokens == b.tokens and a.finish_reason == b.finish_reason
+        assert torch.equal(a.logprobs, b.logprobs)
+    with torch.no_grad():
+        for c, lp in zip(spec, recompute_logprobs(model, spec)):
+            assert torch.equal(lp, c.logprobs)
+
+
+def test_speculative_decoding_negative_control_decode_with_other_kv_chunks():
+    """A backend whose single-query attention reduces in other chunks than its multi-query attention:
+    verifying drafts in a chunk then gives other logprob bits than decoding one token at a time."""
+    _, plain, spec, stats = plain_and_speculative(DecodeChunkBackend(load_contract()))
+    assert stats.accepted_tokens > 0
+    assert any(a.tokens != b.tokens or not torch.equal(a.logprobs, b.logprobs) for a, b in zip(plain, spec))
+
+
+def test_propose_ngram_drafts_from_the_latest_earlier_occurrence():
+    from hal.rollout.harness import propose_ngram
+
+    assert propose_ngram([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 2) == [7, 1]      # latest occurrence of 1 2 3
+    assert propose_ngram([5, 6, 7, 6], 3) == [7, 6]                          # falls back to the last token
+    assert propose_ngram([1, 2, 3], 4) == [] and propose_ngram([4, 4], 0) == []
+    with pytest.raises(HalError, match="speculative_tokens"):
+        HarnessConfig(speculative_tokens=-1)

@@ -364,4 +364,6 @@ class GRPORun:
             "rollout_s": t1 - t0, "train_s": train_s,
             "rollout_tokens_per_s": gen_tokens / max(t1 - t0, 1e-9),
             "train_tokens_per_s": train_tokens / max(train_s, 1e-9),
+            "cached_prompt_tokens": sum(c.cached_prompt_tokens for c in completions),
+            **(engine.step_metrics() if hasattr(engine, "step_metrics") else {}),
         }

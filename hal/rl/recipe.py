@@ -67,6 +67,7 @@ class HarnessSpec:
     max_num_seqs: int = 8
     max_batch_tokens: int = 64
     preempt_prob: float = 0.0
+    speculative_tokens: int = 0                        # prompt-lookup drafts per decode (0: off); same tokens and bits
 
 
 @dataclass
@@ -336,6 +337,11 @@ def validate(recipe: Recipe, source: str = "recipe") -> None:
             raise bad(f"harness.{key}", getattr(h, key), "must be >= 1")
     if not 0.0 <= h.preempt_prob < 1.0:
         raise bad("harness.preempt_prob", h.preempt_prob, "a probability per schedule step: must be in [0, 1)")
+    if h.speculative_tokens < 0:
+        raise bad("harness.speculative_tokens", h.speculative_tokens, "draft tokens per decode: must be >= 0")
+    if h.speculative_tokens and recipe.engine != "harness":
+        raise bad("harness.speculative_tokens", h.speculative_tokens,
+                  f"speculative decoding is built into the harness only; engine {recipe.engine!r} does not have it")
     if recipe.task.name not in TASKS:
         raise bad("task.name", recipe.task.name, f"unknown task; known: {', '.join(TASKS)}")
 

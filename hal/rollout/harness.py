@@ -12,6 +12,16 @@ whatever the schedule, and equal to the trainer's recomputation (``recompute_log
 
 Preemption drops the request's pages; when readmitted it prefills its prompt plus the tokens it
 generated so far, and continues. Logprobs already reported are kept, never recomputed.
+
+Speculative decoding (``HarnessConfig.speculative_tokens = k``): a decoding request gets up to k draft
+tokens by prompt lookup (``propose_ngram``: the continuation of the latest earlier occurrence of its last
+1-3 tokens) and is run as one chunk of 1 + len(drafts) queries, its last token and the drafts. The
+target token at each of those positions is sampled exactly as a plain decode samples it (seed and
+position, ``sample_tokens``); draft j is accepted iff it equals the target token before it, and the
+targets up to the first rejection are the new tokens. So the output tokens are the ones plain decoding
+gives, and their logprobs the same bits as long as the backend's attention and GEMMs do not depend on
+whether a query comes one per step or in a chunk (the contract's phase consistency). The rejected
+drafts' K/V is left in the cache past the sequence's length and written over later.
 """
 
 from __future__ import annotations
@@ -80,6 +90,7 @@ class HarnessConfig:
     max_batch_tokens: int = 64
     max_chunk: int | None = None        # largest prefill chunk drawn (default: max_batch_tokens)
     preempt_prob: float = 0.0           # chance per step of preempting a random running request
+    speculative_tokens: int = 0         # draft tokens per decode (prompt lookup); 0: plain decoding
     seed: int = 0
 
     def __post_init__(self):
@@ -88,6 +99,21 @@ class HarnessConfig:
                 raise HalError(f"HarnessConfig.{name} must be positive, got {getattr(self, name)}")
         if not 0.0 <= self.preempt_prob < 1.0:
             raise HalError(f"HarnessConfig.preempt_prob must be in [0, 1), got {self.preempt_prob}")
+        if self.speculative_tokens < 0:
+            raise HalError(f"HarnessConfig.speculative_tokens must be >= 0, got {self.speculative_tokens}")
+
+
+def propose_ngram(tokens: Sequence[int], k: int, max_n: int = 3) -> list[int]:
+    """Up to ``k`` draft tokens by prompt lookup: for n = max_n .. 1, the tokens that followed the latest
+    earlier occurrence of the last n tokens (none if they never occurred before)."""
+    if k <= 0:
+        return []
+    for n in range(min(max_n, len(tokens) - 1), 0, -1):
+        suffix = list(tokens[-n:])
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if list(tokens[start:start + n]) == suffix:
+                return list(tokens[start + n:start + n + k])
+    return []
 
 
 @dataclass
@@ -115,6 +141,12 @@ class HarnessStats:
     cut_prefills: int = 0               # prefill chunks shorter than the remaining prompt
     mixed_steps: int = 0                # steps with prefill chunks and decodes in one batch
     rows: list[int] = field(default_factory=list)      # query rows per step
+    draft_tokens: int = 0               # speculative drafts proposed
+    accepted_tokens: int = 0            # of which accepted
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
 
 
 class RolloutHarness:
@@ -158,6 +190,9 @@ class RolloutHarness:
         page = cfg.page_size
         num_pages = cfg.num_pages or sum(pages_needed(len(r.prompt) + r.max_new_tokens, page) for r in requests) + 1
         self._check(requests, num_pages)
+        if trace is not None and cfg.speculative_tokens:
+            raise HalError("rollout harness: op tracing keeps the first computation of each position, which "
+                           "with speculative_tokens > 0 may be a rejected draft's; trace without speculation")
         rng = random.Random(cfg.seed)
         max_chunk = cfg.max_chunk or cfg.max_batch_tokens
         caches = self.model.allocate_kv_cache(num_pages, page)
@@ -201,8 +236,15 @@ class RolloutHarness:
                     continue
                 remaining = len(seq.tokens) - seq.computed
                 n = 1 if remaining == 1 else min(remaining, budget, rng.randint(1, max_chunk))
-                need = pages_needed(seq.computed + n, page) - len(seq.pages)
-                busy = {id(s) for s, _ in scheduled}
+                drafts: list[int] = []
+                if remaining == 1 and cfg.speculative_tokens:
+                    # drafts past the request's last token would be sampled for nothing
+                    room = min(cfg.speculative_tokens, budget - 1, seq.request.max_new_tokens - seq.generated - 1)
+                    drafts = propose_ngram(seq.tokens, room)
+                    n = 1 + len(drafts)
+                # (a sequence may hold more pages than it needs: rejected drafts' pages stay with it)
+                need = max(0, pages_needed(seq.computed + n, page) - len(seq.pages))
+                busy = {id(s) for s, _, _ in scheduled}
                 while need > free:   # out of pages: preempt the latest admitted request not yet scheduled
                     victims = [s for s in running if s is not seq and id(s) not in busy]
                     if not victims:
@@ -213,7 +255,8 @@ class RolloutHarness:
                 seq.pages += allocator.take(need)
                 free -= need
                 stats.cut_prefills += int(remaining > 1 and n < remaining)
-                scheduled.append((seq, n))
+                stats.draft_tokens += len(drafts)
+                scheduled.append((seq, n, drafts))
                 budget -= n
             if not scheduled:
                 raise HalError("rollout harness made no progress in a step (no request could be scheduled); "
@@ -230,13 +273,16 @@ class RolloutHarness:
                            s.finish_reason, s.preemptions) for s in seqs]
 
     def _step(self, scheduled, caches, device, stats, trace, trace_request) -> None:
+        """One forward over the scheduled (sequence, query rows, drafts), then sampling: a sequence whose
+        rows reach its last token samples the next one; one with drafts samples at every row (``_accept``)."""
         page = self.config.page_size
-        ids, positions, slots, q_lens, seq_lens, page_lists, logits_rows, sampling = [], [], [], [], [], [], [], []
+        ids, positions, slots, q_lens, seq_lens, page_lists, logits_rows = [], [], [], [], [], [], []
+        sampling: list[tuple[_Seq, int]] = []        # (sequence, position of the token sampled)
         watch_rows, watch_positions = [], []
         rows = 0
-        for seq, n in scheduled:
+        for seq, n, drafts in scheduled:
             lo, hi = seq.computed, seq.computed + n
-            ids.extend(seq.tokens[lo:hi])
+            ids.extend((seq.tokens + drafts)[lo:hi])
             positions.extend(range(lo, hi))
             slots.append(slot_mapping(seq.pages, range(lo, hi), page, device))
             q_lens.append(n)
@@ -246,11 +292,12 @@ class RolloutHarness:
                 watch_rows.extend(range(rows, rows + n))
                 watch_positions.extend(range(lo, hi))
             rows += n
-            if hi == len(seq.tokens):
-                logits_rows.append(rows - 1)
-                sampling.append(seq)
+            if hi >= len(seq.tokens):          # the last token's row, then one row per draft
+                first = rows - 1 - len(drafts)
+                logits_rows.extend(range(first, rows))
+                sampling.extend((seq, len(seq.tokens) + j) for j in range(1 + len(drafts)))
         stats.rows.append(rows)
-        decodes = sum(1 for seq, n in scheduled if seq.generated > 0 and seq.computed == len(seq.tokens) - 1)
+        decodes = sum(1 for seq, n, _ in scheduled if seq.generated > 0 and seq.computed == len(seq.tokens) - 1)
         stats.mixed_steps += int(0 < decodes < len(scheduled))
         batch = InferenceBatch(torch.tensor(ids, dtype=torch.long, device=device),
                                torch.tensor(positions, dtype=torch.long, device=device),
@@ -262,27 +309,60 @@ class RolloutHarness:
                                 call=f"rollout step {stats.steps}: {len(scheduled)} sequences, {rows} rows")
         with watch:
             logits = self.model.forward_infer(batch, caches, trace=trace)
-            for seq, n in scheduled:
-                seq.computed += n
+            for seq, n, drafts in scheduled:
+                if not drafts:
+                    seq.computed += n
             if not sampling:
                 return
             backend = self.model.backend
-            tokens = sample_tokens(logits[:len(sampling)], [s.request.seed for s in sampling],
-                                   [len(s.tokens) for s in sampling],
-                                   [s.request.temperature for s in sampling]).tolist()
+            tokens = sample_tokens(logits[:len(sampling)], [s.request.seed for s, _ in sampling],
+                                   [p for _, p in sampling], [s.request.temperature for s, _ in sampling]).tolist()
+            logprobs: list[torch.Tensor | None] = [None] * len(sampling)
             # one token_logprobs call per temperature (a row's bits do not depend on its batch-mates)
-            for temperature in sorted({s.request.logprob_temperature for s in sampling}):
-                idx = [i for i, s in enumerate(sampling) if s.request.logprob_temperature == temperature]
+            for temperature in sorted({s.request.logprob_temperature for s, _ in sampling}):
+                idx = [i for i, (s, _) in enumerate(sampling) if s.request.logprob_temperature == temperature]
                 index = torch.tensor(idx, dtype=torch.long, device=device)
                 token_ids = torch.tensor([tokens[i] for i in idx], dtype=torch.long, device=device)
-                logprobs = backend.token_logprobs(logits[index], token_ids, temperature).cpu()
+                values = backend.token_logprobs(logits[index], token_ids, temperature).cpu()
                 if trace is not None:
-                    trace.record("logprob", logprobs.unsqueeze(-1), batch.logits_rows[index])
+                    trace.record("logprob", values.unsqueeze(-1), batch.logits_rows[index])
                 for j, i in enumerate(idx):
-                    sampling[i].logprobs.append(logprobs[j])
-        for seq, token in zip(sampling, tokens):
-            seq.tokens.append(token)
-            if token in seq.request.stop_token_ids:
-                seq.finish_reason = "stop"
-            elif seq.generated >= seq.request.max_new_tokens:
-                seq.finish_reason = "length"
+                    logprobs[i] = values[j]
+        at = 0
+        drafts_of = {id(seq): drafts for seq, _, drafts in scheduled}
+        while at < len(sampling):
+            seq = sampling[at][0]
+            drafts = drafts_of[id(seq)]
+            targets = list(zip(tokens[at:at + 1 + len(drafts)], logprobs[at:at + 1 + len(drafts)]))
+            at += 1 + len(drafts)
+            if drafts:
+                self._accept(seq, drafts, targets, stats)
+            else:
+                self._append(seq, *targets[0])
+
+    @staticmethod
+    def _append(seq: _Seq, token: int, logprob: torch.Tensor) -> bool:
+        """Append one sampled token; True when the request finished with it."""
+        seq.tokens.append(token)
+        seq.logprobs.append(logprob)
+        if token in seq.request.stop_token_ids:
+            seq.finish_reason = "stop"
+        elif seq.generated >= seq.request.max_new_tokens:
+            seq.finish_reason = "length"
+        return bool(seq.finish_reason)
+
+    def _accept(self, seq: _Seq, drafts: list[int], targets, stats) -> None:
+        """The target tokens up to the first rejected draft: target 0 is plain decoding's next token;
+        target j (j >= 1) was computed after draft j, valid only if draft j equals target j - 1. The
+        cache holds correct K/V for the last token and every accepted draft."""
+        lo = len(seq.tokens) - 1
+        accepted = 0
+        for j, (token, logprob) in enumerate(targets):
+            if j > 0:
+                if drafts[j - 1] != targets[j - 1][0]:
+                    break
+                accepted += 1
+            if self._append(seq, token, logprob):
+                break
+        stats.accepted_tokens += accepted
+        seq.computed = lo + 1 + accepted
