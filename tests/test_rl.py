@@ -75,14 +75,18 @@ def test_reference_has_diff_zero_every_step(tmp_path):
 
 
 def test_speculative_harness_recipe_is_the_plain_run_bit_for_bit(tmp_path):
-    """``harness.speculative_tokens``: every step diff = 0 against the trainer, the step metrics report the
-    drafts, and the whole run (rewards, losses, logprob comparisons) equals the run without speculation."""
-    spec = run_recipe(_recipe(tmp_path / "spec", "steps=3", "harness.speculative_tokens=3"), echo=None)
+    """``harness.speculative_tokens`` and ``harness.prefix_caching``: every step diff = 0 against the trainer,
+    the step metrics report the drafts and cache hits, and the whole run (rewards, losses, logprob
+    comparisons) equals the run without either."""
+    spec = run_recipe(_recipe(tmp_path / "spec", "steps=3", "harness.speculative_tokens=3",
+                              "harness.prefix_caching=true"), echo=None)
     plain = run_recipe(_recipe(tmp_path / "plain", "steps=3"), echo=None)
     spec_steps, plain_steps = spec["runs"]["reference"], plain["runs"]["reference"]
     assert all(m["mismatches"] == 0 and m["max_abs_diff"] == 0.0 for m in spec_steps)
     assert sum(m["draft_tokens"] for m in spec_steps) > 0 and all(0 <= m["acceptance_rate"] <= 1 for m in spec_steps)
-    named = {"draft_tokens", "accepted_tokens", "acceptance_rate", "engine"}     # and the engine's name
+    assert sum(m["cached_tokens"] for m in spec_steps) > 0        # groups of samples_per_prompt share prompts
+    named = {"draft_tokens", "accepted_tokens", "acceptance_rate", "cached_tokens", "cached_prompt_tokens",
+             "engine"}                                             # and the engine's name
     assert [{k: v for k, v in _numbers(m).items() if k not in named} for m in spec_steps] == \
         [{k: v for k, v in _numbers(m).items() if k not in named} for m in plain_steps]
     with pytest.raises(RecipeError, match="built into the harness only"):

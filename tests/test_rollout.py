@@ -311,3 +311,58 @@ def test_propose_ngram_drafts_from_the_latest_earlier_occurrence():
     assert propose_ngram([1, 2, 3], 4) == [] and propose_ngram([4, 4], 0) == []
     with pytest.raises(HalError, match="speculative_tokens"):
         HarnessConfig(speculative_tokens=-1)
+
+
+# -- prefix caching: a kept page holds the recomputed bits (issue #24) ---------------------------------
+
+GROUP_PROMPTS = [tuple(range(3, 3 + 13)), tuple([9, 4] * 7)]
+
+
+def group_requests():
+    """GRPO-style groups: every prompt sampled 4 times (other seeds), one request sharing only a prefix."""
+    requests = [Request(p, 8, seed=10 * g + j, temperature=1.0) for g, p in enumerate(GROUP_PROMPTS) for j in range(4)]
+    requests.append(Request(GROUP_PROMPTS[0][:9] + (60, 61), 8, seed=99, temperature=0.7))
+    return requests
+
+
+def cached_and_uncached(backend, **extra):
+    model = DecoderLM.random(tiny_config("llama", "float32"), seed=11, backend=backend)
+    plain = RolloutHarness(model, HarnessConfig(page_size=4, max_num_seqs=2, max_batch_tokens=24, seed=0))
+    cached = RolloutHarness(model, HarnessConfig(page_size=4, num_pages=22, max_num_seqs=2, max_batch_tokens=24,
+                                                 prefix_caching=True, preempt_prob=0.1, seed=3, **extra))
+    requests = group_requests()
+    return model, plain.generate(requests), cached.generate(requests), cached.stats
+
+
+@pytest.mark.parametrize("speculative_tokens", [0, 3])
+def test_prefix_caching_gives_the_recomputed_tokens_and_logprob_bits(speculative_tokens):
+    """Groups of requests with one prompt: later members start from the kept pages of earlier ones (and a
+    request sharing only a prefix from those of its prefix); a small page pool gives kept pages back
+    and preemption drops holders. Tokens and logprobs equal the run without the cache (and with
+    speculation on as well), and the trainer's recomputation."""
+    model, plain, cached, stats = cached_and_uncached(REF, speculative_tokens=speculative_tokens)
+    assert stats.cached_tokens > 0 and sum(c.cached_prompt_tokens for c in cached) > 0
+    assert cached[-1].cached_prompt_tokens in (0, 4, 8)          # the shared 9-token prefix: 2 full pages
+    for a, b in zip(plain, cached):
+        assert a.tokens == b.tokens and torch.equal(a.logprobs, b.logprobs)
+    with torch.no_grad():
+        for c, lp in zip(cached, recompute_logprobs(model, cached)):
+            assert torch.equal(lp, c.logprobs)
+
+
+def test_prefix_caching_negative_control_batch_dependent_kv():
+    """A backend whose linears reduce K otherwise in batches of more than 8 rows: a kept page was computed
+    in another batch than a recomputation, and the cached run differs from the uncached one."""
+    class BatchDependentLinear(ReferenceBackend):
+        name = "planted-batch-linear"
+
+        def linear(self, x, weight, bias=None, *, out_dtype=None):
+            if x.numel() // x.shape[-1] <= 8:
+                return super().linear(x, weight, bias, out_dtype=out_dtype)
+            split = dataclasses.replace(self.contract.gemm, k_chunk=16)
+            return ReferenceBackend(dataclasses.replace(self.contract, gemm=split)).linear(x, weight, bias,
+                                                                                          out_dtype=out_dtype)
+
+    _, plain, cached, stats = cached_and_uncached(BatchDependentLinear(load_contract()))
+    assert stats.cached_tokens > 0
+    assert any(a.tokens != b.tokens or not torch.equal(a.logprobs, b.logprobs) for a, b in zip(plain, cached))

@@ -47,24 +47,29 @@ class HarnessEngine:
         self.schedule_seed = schedule_seed         # step -> the harness's scheduling seed
 
     def describe(self) -> str:
-        return "harness" + (f" (speculative, {self.spec.speculative_tokens} drafts)" if self.spec.speculative_tokens else "")
+        extras = ([f"speculative, {self.spec.speculative_tokens} drafts"] if self.spec.speculative_tokens else []) + \
+            (["prefix caching"] if self.spec.prefix_caching else [])
+        return "harness" + (f" ({', '.join(extras)})" if extras else "")
 
     def generate(self, requests: Sequence[Request], step: int) -> list[Completion]:
         s = self.spec
         harness = RolloutHarness(self.model, HarnessConfig(
             page_size=s.page_size, max_num_seqs=s.max_num_seqs, max_batch_tokens=s.max_batch_tokens,
-            preempt_prob=s.preempt_prob, speculative_tokens=s.speculative_tokens, seed=self.schedule_seed(step)))
+            preempt_prob=s.preempt_prob, speculative_tokens=s.speculative_tokens, prefix_caching=s.prefix_caching,
+            seed=self.schedule_seed(step)))
         completions = harness.generate(requests)
         self.last_stats = harness.stats
         return completions
 
     def step_metrics(self) -> dict:
-        """What the last generate's schedule did, for the step's metrics (speculation when on)."""
-        if not self.spec.speculative_tokens:
-            return {}
-        st = self.last_stats
-        return {"draft_tokens": st.draft_tokens, "accepted_tokens": st.accepted_tokens,
-                "acceptance_rate": st.acceptance_rate}
+        """What the last generate's schedule did, for the step's metrics (speculation, prefix caching when on)."""
+        st, out = self.last_stats, {}
+        if self.spec.speculative_tokens:
+            out.update(draft_tokens=st.draft_tokens, accepted_tokens=st.accepted_tokens,
+                       acceptance_rate=st.acceptance_rate)
+        if self.spec.prefix_caching:
+            out.update(cached_tokens=st.cached_tokens)
+        return out
 
     def sync(self, model: DecoderLM) -> str:
         if self.model is not model:

@@ -68,6 +68,7 @@ class HarnessSpec:
     max_batch_tokens: int = 64
     preempt_prob: float = 0.0
     speculative_tokens: int = 0                        # prompt-lookup drafts per decode (0: off); same tokens and bits
+    prefix_caching: bool = False                       # reuse the computed pages of a shared prompt; same bits
 
 
 @dataclass

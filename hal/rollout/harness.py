@@ -22,6 +22,13 @@ targets up to the first rejection are the new tokens. So the output tokens are t
 gives, and their logprobs the same bits as long as the backend's attention and GEMMs do not depend on
 whether a query comes one per step or in a chunk (the contract's phase consistency). The rejected
 drafts' K/V is left in the cache past the sequence's length and written over later.
+
+Prefix caching (``HarnessConfig.prefix_caching``): a full page whose K/V are computed is kept under the
+tokens from position 0 through its last (``_PagePool``); a request admitted with no pages takes the
+longest run of kept pages its tokens begin with (shared, held by every sequence using them) and
+computes from there, at least its last token. Kept pages nobody holds are given back, least recently
+used first, when pages run out. A kept page holds the bits a recomputation would give as long as the
+backend's K/V do not depend on the batch or the chunking (the contract's batch invariance).
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import random
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -91,6 +99,7 @@ class HarnessConfig:
     max_chunk: int | None = None        # largest prefill chunk drawn (default: max_batch_tokens)
     preempt_prob: float = 0.0           # chance per step of preempting a random running request
     speculative_tokens: int = 0         # draft tokens per decode (prompt lookup); 0: plain decoding
+    prefix_caching: bool = False        # reuse computed full pages of a shared token prefix
     seed: int = 0
 
     def __post_init__(self):
@@ -126,6 +135,8 @@ class _Seq:
     pages: list[int] = field(default_factory=list)
     preemptions: int = 0
     finish_reason: str = ""
+    kept_pages: int = 0                 # leading pages offered to the prefix cache (prefix caching)
+    cached_prompt_tokens: int = 0       # prompt tokens its first admission took from the prefix cache
 
     @property
     def generated(self) -> int:
@@ -143,10 +154,78 @@ class HarnessStats:
     rows: list[int] = field(default_factory=list)      # query rows per step
     draft_tokens: int = 0               # speculative drafts proposed
     accepted_tokens: int = 0            # of which accepted
+    cached_tokens: int = 0              # tokens admissions took from the prefix cache instead of computing
 
     @property
     def acceptance_rate(self) -> float:
         return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+
+class _PagePool:
+    """The harness's KV pages: the allocator's free pages, how many sequences hold each page in use,
+    and with prefix caching the full pages kept under their prefix (the tokens from position 0 through
+    the page's last), in least-recently-used order."""
+
+    def __init__(self, num_pages: int, page_size: int, seed: int, caching: bool):
+        self.allocator = PageAllocator(num_pages, torch.Generator().manual_seed(seed))
+        self.free = num_pages
+        self.page_size = page_size
+        self.caching = caching
+        self.holders: dict[int, int] = {}
+        self.kept: OrderedDict[tuple[int, ...], int] = OrderedDict()
+        self.prefix_of: dict[int, tuple[int, ...]] = {}
+
+    def available(self) -> int:
+        """Pages a sequence can get now: free ones and kept ones nobody holds."""
+        return self.free + sum(1 for page in self.prefix_of if page not in self.holders)
+
+    def take(self, count: int) -> list[int]:
+        while self.free < count:          # give back the least recently used kept page nobody holds
+            key = next(k for k, page in self.kept.items() if page not in self.holders)
+            page = self.kept.pop(key)
+            del self.prefix_of[page]
+            self.allocator.give_back([page])
+            self.free += 1
+        pages = self.allocator.take(count)
+        self.free -= count
+        for page in pages:
+            self.holders[page] = 1
+        return pages
+
+    def release(self, pages: list[int]) -> None:
+        for page in pages:
+            self.holders[page] -= 1
+            if self.holders[page] == 0:
+                del self.holders[page]
+                if page not in self.prefix_of:
+                    self.allocator.give_back([page])
+                    self.free += 1
+
+    def lookup(self, tokens: list[int]) -> list[int]:
+        """The kept pages ``tokens`` begin with (held for the caller), leaving its last token to compute."""
+        pages: list[int] = []
+        if not self.caching:
+            return pages
+        for i in range((len(tokens) - 1) // self.page_size):
+            page = self.kept.get(tuple(tokens[:(i + 1) * self.page_size]))
+            if page is None:
+                break
+            self.kept.move_to_end(self.prefix_of[page])
+            self.holders[page] = self.holders.get(page, 0) + 1
+            pages.append(page)
+        return pages
+
+    def keep(self, seq: "_Seq") -> None:
+        """Offer the sequence's full, computed pages not offered yet (a prefix kept already stays with its page)."""
+        if not self.caching:
+            return
+        for i in range(seq.kept_pages, seq.computed // self.page_size):
+            key = tuple(seq.tokens[:(i + 1) * self.page_size])
+            page = seq.pages[i]
+            if key not in self.kept and page not in self.prefix_of:
+                self.kept[key] = page
+                self.prefix_of[page] = key
+        seq.kept_pages = max(seq.kept_pages, seq.computed // self.page_size)
 
 
 class RolloutHarness:
@@ -190,14 +269,14 @@ class RolloutHarness:
         page = cfg.page_size
         num_pages = cfg.num_pages or sum(pages_needed(len(r.prompt) + r.max_new_tokens, page) for r in requests) + 1
         self._check(requests, num_pages)
-        if trace is not None and cfg.speculative_tokens:
+        if trace is not None and (cfg.speculative_tokens or cfg.prefix_caching):
             raise HalError("rollout harness: op tracing keeps the first computation of each position, which "
-                           "with speculative_tokens > 0 may be a rejected draft's; trace without speculation")
+                           "with speculative_tokens > 0 may be a rejected draft's and with prefix_caching may "
+                           "never happen; trace without them")
         rng = random.Random(cfg.seed)
         max_chunk = cfg.max_chunk or cfg.max_batch_tokens
         caches = self.model.allocate_kv_cache(num_pages, page)
-        allocator = PageAllocator(num_pages, torch.Generator().manual_seed(cfg.seed))
-        free = num_pages
+        pool = _PagePool(num_pages, page, cfg.seed, cfg.prefix_caching)
         self.stats = stats = HarnessStats()
         seqs = [_Seq(i, r, list(r.prompt)) for i, r in enumerate(requests)]
         waiting = list(seqs)
@@ -206,10 +285,8 @@ class RolloutHarness:
         device = self.model.device
 
         def preempt(seq: _Seq) -> None:
-            nonlocal free
-            allocator.give_back(seq.pages)
-            free += len(seq.pages)
-            seq.pages, seq.computed = [], 0
+            pool.release(seq.pages)
+            seq.pages, seq.computed, seq.kept_pages = [], 0, 0
             seq.preemptions += 1
             stats.preemptions += 1
             running.remove(seq)
@@ -234,6 +311,13 @@ class RolloutHarness:
                     break
                 if seq not in running:
                     continue
+                if not seq.pages and pool.caching:       # admitted (again): start after the kept prefix
+                    seq.pages = pool.lookup(seq.tokens)
+                    seq.kept_pages = len(seq.pages)            # kept already: the prefix they hold
+                    seq.computed = len(seq.pages) * page
+                    stats.cached_tokens += seq.computed
+                    if not seq.preemptions and not seq.generated:
+                        seq.cached_prompt_tokens = seq.computed
                 remaining = len(seq.tokens) - seq.computed
                 n = 1 if remaining == 1 else min(remaining, budget, rng.randint(1, max_chunk))
                 drafts: list[int] = []
@@ -245,15 +329,14 @@ class RolloutHarness:
                 # (a sequence may hold more pages than it needs: rejected drafts' pages stay with it)
                 need = max(0, pages_needed(seq.computed + n, page) - len(seq.pages))
                 busy = {id(s) for s, _, _ in scheduled}
-                while need > free:   # out of pages: preempt the latest admitted request not yet scheduled
+                while need > pool.available():   # out of pages: preempt the latest admitted request not yet scheduled
                     victims = [s for s in running if s is not seq and id(s) not in busy]
                     if not victims:
                         break
                     preempt(victims[-1])
-                if need > free:
+                if need > pool.available():
                     continue        # it waits for pages held by this step's batch
-                seq.pages += allocator.take(need)
-                free -= need
+                seq.pages += pool.take(need)
                 stats.cut_prefills += int(remaining > 1 and n < remaining)
                 stats.draft_tokens += len(drafts)
                 scheduled.append((seq, n, drafts))
@@ -262,15 +345,17 @@ class RolloutHarness:
                 raise HalError("rollout harness made no progress in a step (no request could be scheduled); "
                                "this is a bug: please report it with the HarnessConfig")
             self._step(scheduled, caches, device, stats, trace, trace_request)
+            for seq, _, _ in scheduled:
+                pool.keep(seq)
             for seq in [s for s in running if s.finish_reason]:
-                allocator.give_back(seq.pages)
-                free += len(seq.pages)
+                pool.release(seq.pages)
                 seq.pages = []
                 running.remove(seq)
 
         return [Completion(s.request, s.tokens[len(s.request.prompt):],
                            torch.stack(s.logprobs) if s.logprobs else torch.zeros(0),
-                           s.finish_reason, s.preemptions) for s in seqs]
+                           s.finish_reason, s.preemptions, cached_prompt_tokens=s.cached_prompt_tokens)
+                for s in seqs]
 
     def _step(self, scheduled, caches, device, stats, trace, trace_request) -> None:
         """One forward over the scheduled (sequence, query rows, drafts), then sampling: a sequence whose
