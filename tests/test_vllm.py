@@ -534,7 +534,8 @@ def test_long_context_across_kv_split_diff_zero(engines):
 
 def test_gpu_attention_route_is_wired_as_documented():
     """The CUDA route (vLLM 0.26's CUSTOM member; written against 0.26's source, run on a GPU only) imports
-    under this vLLM and is the shared HAL route over Triton's implementation, kept out of full CUDA graphs."""
+    under this vLLM and is the shared HAL route over Triton's implementation; decode steps go into full CUDA
+    graphs (uniform single-token batches), other steps run piecewise; KV pages of the contract's KV chunk."""
     from vllm.v1.attention.backend import AttentionCGSupport
 
     from hal.vllm import gpu_attention
@@ -543,5 +544,9 @@ def test_gpu_attention_route_is_wired_as_documented():
     backend = gpu_attention.HalGpuAttentionBackend
     assert backend.get_name() == "CUSTOM"
     assert issubclass(backend.get_impl_cls(), HalAttentionRoute) and issubclass(HalCpuAttentionImpl, HalAttentionRoute)
-    assert backend.get_builder_cls()._cudagraph_support == AttentionCGSupport.NEVER
+    assert backend.get_builder_cls()._cudagraph_support == AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    with set_current_vllm_config(VllmConfig()):
+        assert backend.get_preferred_block_size(16) == 64          # bf16-dense-v1's kv_chunk
     assert backend.supported_kv_cache_dtypes == ["auto"]

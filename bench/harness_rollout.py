@@ -1,0 +1,90 @@
+"""Speculative decoding and prefix caching in the built-in harness: same outputs, what they save (issue #24).
+
+GRPO-shaped requests (``--prompts`` prompts x ``--group`` samples each, 64-token prompts of a repeating
+pattern, ``--new-tokens`` each) on a random model, generated four ways: plain, speculative
+(``--drafts`` prompt-lookup drafts per decode), prefix caching, both. Every variant must give the plain
+run's tokens and logprob bits (checked, the script fails otherwise); the table gives tokens/s, engine
+steps, draft acceptance and the prompt tokens read from the cache instead of computed. Greedy requests
+(``--temperature 0``) loop and accept drafts often; sampled ones (T = 1) on a random model rarely.
+
+    python3 bench/harness_rollout.py --json out.json                       # reference backend, CPU
+    python3 bench/harness_rollout.py --backend cuda --temperature 1 --json out.json   # on a GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+from hal.api import create_backend
+from hal.model import DecoderLM, tiny_config
+from hal.rollout import HarnessConfig, Request, RolloutHarness
+
+
+def requests(prompts: int, group: int, new_tokens: int, temperature: float, vocab: int) -> list[Request]:
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for p in range(prompts):
+        pattern = torch.randint(0, vocab, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g).tolist()
+        prompt = tuple((pattern * 64)[:64])
+        out += [Request(prompt, new_tokens, seed=1000 * p + j, temperature=temperature) for j in range(group)]
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backend", default="reference")
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--group", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--drafts", type=int, default=4)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    backend = create_backend(args.backend)
+    dtype = "bfloat16" if args.backend == "cuda" else "float32"
+    config = tiny_config("llama", dtype, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=64,
+                         vocab_size=256, num_layers=2)
+    model = DecoderLM.random(config, seed=3, backend=backend)
+    reqs = requests(args.prompts, args.group, args.new_tokens, args.temperature, config.vocab_size)
+    base = dict(page_size=16, max_num_seqs=args.prompts * args.group, max_batch_tokens=1024, seed=0)
+    variants = {"plain": {}, "speculative": dict(speculative_tokens=args.drafts),
+                "prefix caching": dict(prefix_caching=True),
+                "both": dict(speculative_tokens=args.drafts, prefix_caching=True)}
+    rows, reference = [], None
+    for name, extra in variants.items():
+        harness = RolloutHarness(model, HarnessConfig(**base, **extra))
+        harness.generate(reqs[:2])                                     # warm-up
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = harness.generate(reqs)
+        seconds = time.perf_counter() - t0
+        if reference is None:
+            reference = out
+        same = all(a.tokens == b.tokens and torch.equal(a.logprobs, b.logprobs) for a, b in zip(reference, out))
+        st = harness.stats
+        prompt_tokens = sum(len(r.prompt) for r in reqs)
+        row = dict(variant=name, identical_to_plain=same, seconds=seconds,
+                   tok_s=sum(len(c.tokens) for c in out) / seconds, steps=st.steps, draft_tokens=st.draft_tokens,
+                   accepted_tokens=st.accepted_tokens, acceptance_rate=st.acceptance_rate,
+                   cached_prompt_tokens=sum(c.cached_prompt_tokens for c in out), prompt_tokens=prompt_tokens)
+        rows.append(row)
+        print(f"{name:15} {'same' if same else 'DIFFERENT':9} {row['tok_s']:8.0f} tok/s  {st.steps:4} steps  "
+              f"drafts {st.accepted_tokens}/{st.draft_tokens} accepted  "
+              f"prompt tokens from the cache {row['cached_prompt_tokens']}/{prompt_tokens}", flush=True)
+    plain = rows[0]["tok_s"]
+    for row in rows:
+        row["speedup"] = row["tok_s"] / plain
+    print("speedup vs plain: " + ", ".join(f"{r['variant']} {r['speedup']:.2f}x" for r in rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"backend": args.backend, "args": vars(args), "rows": rows}, f, indent=1)
+    return 0 if all(r["identical_to_plain"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
