@@ -128,8 +128,9 @@ def sample_rows(logits: torch.Tensor, seeds: Sequence[int], positions: Sequence[
                 temperatures: Sequence[float]) -> torch.Tensor:
     """``sample_token`` for every row of (B, V) logits at once, on their device: the same hash bits and
     uniforms as ``uniform_bits`` / ``uniform_noise`` row by row, the same fp64 score, the first maximum.
-    On a CUDA GPU one fused pass (``hal.kernels.sampling``: the same function, 4.9 ms -> ~0.1 ms for
-    256 x 151936 on the H200); elsewhere ``sample_rows_torch``."""
+    On a CUDA GPU one fused pass (``hal.kernels.sampling``: the same tokens, 5.4 ms -> 0.57 ms for
+    256 x 151936 on the H200, bench/results/h200-2026-12-01-session4/sampler/); elsewhere
+    ``sample_rows_torch``."""
     if not len(seeds) == len(positions) == len(temperatures) == logits.shape[0]:
         raise ValueError(f"sample_rows: {logits.shape[0]} rows of logits, but {len(seeds)} seeds, "
                          f"{len(positions)} positions and {len(temperatures)} temperatures")
