@@ -40,14 +40,17 @@ def gemm_cases(backend, g):
             w = random_tensor((n, k), dtype, g, device="cuda", spread=4, scale=k ** -0.5)
             bias = random_tensor((n,), dtype, g, device="cuda")
             configs, outs = [], []
-            # tma: tensor-descriptor loads where the tensors allow them (bf16, K a multiple of 8).
-            for bm, bn, bk, warps, stages, split, tma in [
-                    (16, 64, 128, 4, 4, True, False), (16, 64, 128, 4, 4, False, False),
-                    (64, 64, 64, 4, 4, False, False), (64, 128, 32, 4, 3, True, False),
-                    (128, 128, 64, 8, 3, False, False), (128, 64, 128, 8, 2, False, False),
-                    (128, 128, 64, 8, 4, False, True), (128, 256, 64, 8, 3, False, True)]:
-                cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, split=split,
-                           tma=tma)
+            # tma: tensor-descriptor loads where the tensors allow them (bf16, K a multiple of 8). A hand list
+            # of shapes, then the autotuner's whole candidate set for this GEMM (hal/kernels/tuning.py: the
+            # launches `hal tune` may choose from must give these bits too).
+            hand = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, split=split, tma=tma)
+                    for bm, bn, bk, warps, stages, split, tma in [
+                        (16, 64, 128, 4, 4, True, False), (16, 64, 128, 4, 4, False, False),
+                        (64, 64, 64, 4, 4, False, False), (64, 128, 32, 4, 3, True, False),
+                        (128, 128, 64, 8, 3, False, False), (128, 64, 128, 8, 2, False, False),
+                        (128, 128, 64, 8, 4, False, True), (128, 256, 64, 8, 3, False, True)]]
+            tuned = gemm.candidates(m, n, k, spec, gemm._tma_ok(x) and gemm._tma_ok(w))
+            for cfg in hand + tuned:
                 try:
                     outs.append(gemm.linear(x, w, bias, torch.float32, spec, cfg, policy=CUDA_LAUNCH))
                 except OutOfResources:  # a tile that does not fit in shared memory: not a launch shape
@@ -57,7 +60,7 @@ def gemm_cases(backend, g):
             half = dataclasses.replace(spec, k_chunk=spec.k_chunk // 2)
             other = gemm.linear(x, w, bias, torch.float32, half, configs[0], policy=CUDA_LAUNCH)
             results.append(dict(kernel="gemm", shape=f"M={m} N={n} K={k}", dtype=str(dtype), launches=len(configs),
-                                identical=sum(same), contract_change_changes_bits=not torch.equal(outs[0], other)))
+                                autotuner_candidates=len(tuned), identical=sum(same), contract_change_changes_bits=not torch.equal(outs[0], other)))
     return results
 
 

@@ -7,6 +7,7 @@ import json
 import os
 import platform
 import sys
+from pathlib import Path
 
 from hal.errors import BackendNotFoundError, HalError
 
@@ -171,6 +172,58 @@ def _conformance_merge(paths: list[str], output: str | None) -> int:
     return 0 if data["summary"]["ok"] else 1
 
 
+DEFAULT_TUNE_BATCHES = "1,2,4,8,16,32,64,128,256,512,1024,2048,4096,8192"
+
+
+def _tune(args) -> int:
+    """Time the GEMM launch candidates for a model's linears on this GPU and keep the fastest per shape
+    class in the tuning cache the cuda backend reads (hal/kernels/tuning.py)."""
+    import json
+
+    import torch
+
+    from hal.api import create_backend
+    from hal.kernels import tuning
+    from hal.model.config import ModelConfig
+
+    path = Path(args.model)
+    config_file = path / "config.json" if path.is_dir() else path
+    if not config_file.is_file():
+        raise HalError(f"hal tune: {config_file} does not exist; pass a Hugging Face config.json or a checkpoint "
+                       f"directory holding one")
+    try:
+        hf = json.loads(config_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise HalError(f"hal tune: {config_file} is not valid JSON ({exc})") from None
+    model = ModelConfig.from_hf(hf, "bfloat16", source=str(config_file))
+    backend = create_backend("cuda", args.contract)        # refuses clearly without a GPU
+    if backend.device.type != "cuda":
+        raise HalError("hal tune: times launches on a GPU; the cuda backend runs on "
+                       f"{backend.device} here (Triton's interpreter?): nothing to tune")
+    try:
+        batches = sorted({int(b) for b in args.batch.split(",")})
+    except ValueError:
+        raise HalError(f"hal tune: --batch takes comma-separated token counts, got {args.batch!r}") from None
+    if not batches or batches[0] < 1:
+        raise HalError(f"hal tune: batch sizes must be >= 1, got {args.batch!r}")
+    import triton
+
+    device = torch.cuda.get_device_name()
+    out = Path(args.cache) if args.cache else tuning.default_cache_path(device)
+    cache = tuning.TuneCache.load(out) if out.is_file() else tuning.TuneCache(device, triton.__version__)
+    if (cache.device, cache.triton) != (device, triton.__version__):
+        raise HalError(f"hal tune: {out} was made on {cache.device} with triton {cache.triton}; this is {device} "
+                       f"with triton {triton.__version__}: pass another --cache")
+    shapes, out_dtypes = tuning.model_gemm_shapes(model, batches)
+    print(f"hal tune: {len(shapes)} GEMM shapes of {config_file} on {device}, contract {backend.contract}; "
+          f"cache {out}", flush=True)
+    tuning.tune_gemm(shapes, backend.contract.gemm, out_dtypes=out_dtypes, cache=cache,
+                     progress=lambda line: print(line, flush=True))
+    cache.save(out)
+    print(f"hal tune: {len(cache.entries)} shape classes in {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hal", description="numerical-contract HAL for bitwise-consistent RL")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -201,6 +254,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="show the train/rollout mismatch of stock kernels and its fix, on this machine")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_demo)
+    p = sub.add_parser("tune", help="time the GEMM launch choices for a model's linears on this GPU (cuda backend)")
+    p.add_argument("--model", required=True, help="a Hugging Face config.json, or a checkpoint directory holding one")
+    p.add_argument("--batch", default=DEFAULT_TUNE_BATCHES, help="tokens per call to tune for, comma-separated")
+    p.add_argument("--contract", help="contract name or .toml path (default: the backend's first)")
+    p.add_argument("--cache", help="the tuning cache to write (default: $HAL_TUNE_CACHE or ~/.cache/hal/tuning/)")
+    p.set_defaults(func=_tune)
     from hal.diff import add_subcommand as add_diff  # `hal diff`: its options live with it in hal/diff.py
     add_diff(sub)
     from hal.rl.runner import add_subcommand as add_run  # `hal run RECIPE`: RL recipes, hal/rl/runner.py

@@ -386,3 +386,94 @@ def test_attention_rows_no_sequence_owns_change_nothing(cuda, split_parallel):
     other = q.clone()
     other[1] = -other[1]
     assert not torch.equal(run(other, build_metadata([1, 1, 1], seq_lens, pages))[1], plain[1])
+
+
+def test_every_autotuner_candidate_gives_the_same_gemm_bits(cuda):
+    """The autotuner's whole candidate set (hal/kernels/gemm.py ``candidates``: tiles, warps, stages,
+    split-K) for shapes crossing K-chunk boundaries, bf16 and fp32, small and larger M: every configuration
+    gives the bits of the kernel's own. Negative control: another k_chunk gives other bits."""
+    from hal.backends.cuda.launch import CUDA_LAUNCH
+    from hal.conformance.checks import random_tensor
+    from hal.kernels import gemm
+
+    g = torch.Generator().manual_seed(12)
+    spec = _gemm_spec(512)
+    for dtype, (m, n, k) in ((torch.bfloat16, (3, 40, 1100)), (torch.float32, (70, 33, 600))):
+        x = random_tensor((m, k), dtype, g, spread=4)
+        w = random_tensor((n, k), dtype, g, spread=4)
+        own = gemm.linear(x, w, None, torch.float32, spec, policy=CUDA_LAUNCH)
+        configs = gemm.candidates(m, n, k, spec, tma_ok=False)
+        assert len(configs) >= 8 and any(c["split"] for c in configs) == (m <= 64)
+        # BLOCK_K held at the interpreter's 128: its dot adds a whole BLOCK_K-wide numpy product, so unlike
+        # the GPU's MMA its bits depend on BLOCK_K (the GPU check of the whole set: bench/tile_freedom.py)
+        for config in {tuple(sorted(dict(c, BLOCK_K=128).items())): dict(c, BLOCK_K=128) for c in configs}.values():
+            out = gemm.linear(x, w, None, torch.float32, spec, config, policy=CUDA_LAUNCH)
+            assert torch.equal(out, own), config
+        assert not torch.equal(gemm.linear(x, w, None, torch.float32, _gemm_spec(256), policy=CUDA_LAUNCH), own)
+
+
+def test_tuner_keeps_the_fastest_bit_equal_candidate_and_refuses_one_that_changes_bits(cuda, tmp_path, monkeypatch):
+    """``tune_gemm`` (here under the interpreter, with a stand-in timer): the cache holds the fastest
+    candidate per shape class, survives a save and load, and is what the lookup returns for every M of the
+    class; a candidate whose output differs stops tuning with an error naming it."""
+    from hal.errors import HalError
+    from hal.kernels import gemm, tuning
+
+    spec = _gemm_spec(512)
+    # the candidates at the interpreter's BLOCK_K (see the test above)
+    every = gemm.candidates
+    monkeypatch.setattr(gemm, "candidates", lambda *a: [dict(c, BLOCK_K=128) for c in every(*a)])
+    timings = iter(range(1000, 0, -1))                      # each timing faster than the one before
+    cache = tuning.TuneCache("cpu (interpreter)", "x")
+    tuning.tune_gemm([(5, 24, 600)], spec, dtype=torch.float32, device="cpu", cache=cache,
+                     timer=lambda fn: (fn(), next(timings))[1], progress=None)
+    key = tuning.shape_class(5, 24, 600, torch.float32, torch.float32, 512)
+    assert key == tuning.shape_class(8, 24, 600, torch.float32, torch.float32, 512)      # M 5..8: one class
+    last = gemm.candidates(5, 24, 600, spec, False)[-1]                          # timed fastest
+    assert cache.config(key) == last and cache.entries[key]["candidates"] == len(gemm.candidates(5, 24, 600, spec, False))
+    assert cache.entries[key]["ms"] < cache.entries[key]["default_ms"]
+    path = tmp_path / "tune.json"
+    cache.save(path)
+    monkeypatch.setenv("HAL_TUNE_CACHE", str(path))
+    tuning.runtime_cache.cache_clear()
+    assert tuning.runtime_cache("cpu (interpreter)", "x").config(key) == last
+    assert tuning.runtime_cache("another GPU", "x") is None                               # made elsewhere: ignored
+    tuning.runtime_cache.cache_clear()
+
+    real = gemm.linear
+
+    def planted(x, w, bias, out_dtype, spec, config=None, *, policy):
+        out = real(x, w, bias, out_dtype, spec, config, policy=policy)
+        if config and config.get("split"):
+            out[0, 0] = torch.nextafter(out[0, 0], torch.tensor(float("inf")))
+        return out
+    monkeypatch.setattr(gemm, "linear", planted)
+    with pytest.raises(HalError, match="gives other bits than the kernel's own"):
+        tuning.tune_gemm([(5, 24, 600)], spec, dtype=torch.float32, device="cpu", cache=tuning.TuneCache("c", "x"),
+                         timer=lambda fn: 1.0, progress=None)
+
+
+def test_hal_tune_refuses_clearly_without_a_gpu_or_a_config(tmp_path, monkeypatch, capsys):
+    """`hal tune` times launches on a GPU: on Triton's interpreter, or given no readable config.json, it says
+    so in one line (exit 2) and writes no cache."""
+    import json
+
+    from hal.cli import main
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("HAL_TUNE_CACHE", str(tmp_path / "tune.json"))
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "qwen3", "vocab_size": 1000, "hidden_size": 256,
+                                  "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                  "num_key_value_heads": 2, "head_dim": 64}))
+    assert main(["tune", "--model", str(config)]) == 2
+    assert "times launches on a GPU" in capsys.readouterr().err
+    assert main(["tune", "--model", str(tmp_path / "nothing")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert not (tmp_path / "tune.json").exists()
+    from hal.kernels.tuning import model_gemm_shapes
+    from hal.model.config import ModelConfig
+
+    shapes, out_dtypes = model_gemm_shapes(ModelConfig.from_hf(json.loads(config.read_text())), [1, 8])
+    assert sorted({(n, k) for _, n, k in shapes}) == [(256, 256), (256, 512), (512, 256), (1000, 256), (1024, 256)]
+    assert len(shapes) == 10 and out_dtypes == {(1000, 256): torch.float32}      # the logits GEMM in fp32

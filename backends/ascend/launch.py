@@ -16,7 +16,7 @@ from hal.kernels.policy import LaunchPolicy
 
 
 class AscendLaunch(LaunchPolicy):
-    def gemm_tiles(self, m: int, n: int, k: int, spec: Gemm, in_bytes: int) -> dict:
+    def gemm_tiles(self, m: int, n: int, k: int, spec: Gemm, in_bytes: int, out_dtype=None) -> dict:
         return tiles.gemm_config(m, n, k, spec, in_bytes)
 
     def attention_block_q(self, q: torch.Tensor, k_cache: torch.Tensor, query_start_loc: torch.Tensor,

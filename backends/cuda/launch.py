@@ -2,16 +2,22 @@
 
 The kernels size their launch shapes in waves of programs on the multiprocessors (a second, partial
 wave costs a quarter of the time at some shapes); the count is the one thing about an NVIDIA device
-they need, and it comes from here. Tiles are the kernels' own tables, tuned on the H200.
+they need, and it comes from here. Tiles are the kernels' own tables, tuned on the H200, unless a
+tuning cache of this GPU (``hal tune``, hal/kernels/tuning.py) holds a measured choice for a GEMM shape.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
+from hal.contract import Gemm
+from hal.kernels import tuning
 from hal.kernels.policy import LaunchPolicy
+
+_IN_DTYPES = {2: torch.bfloat16, 4: torch.float32}
 
 
 class CudaLaunch(LaunchPolicy):
@@ -19,10 +25,31 @@ class CudaLaunch(LaunchPolicy):
         """The GPU's streaming multiprocessors; 0 for CPU tensors (Triton's interpreter)."""
         return _multiprocessors(device.index or 0) if device.type == "cuda" else 0
 
+    def gemm_tiles(self, m: int, n: int, k: int, spec: Gemm, in_bytes: int,
+                   out_dtype: torch.dtype | None = None) -> dict | None:
+        """The tuned configuration of this GEMM's shape class (``hal tune``, hal/kernels/tuning.py), if
+        this device has a tuning cache holding it; otherwise the kernel's own table decides."""
+        cache = _tuning_cache()
+        if cache is None:
+            return None
+        in_dtype = _IN_DTYPES.get(in_bytes)
+        return cache.config(tuning.shape_class(m, n, k, in_dtype, out_dtype or in_dtype, spec.k_chunk))
+
 
 @functools.lru_cache(maxsize=None)
 def _multiprocessors(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def _tuning_cache() -> tuning.TuneCache | None:
+    """This process's tuning cache (read once: a shape class keeps its configuration for the process's
+    life); None without a GPU (Triton's interpreter) or without a cache file for this GPU."""
+    if os.environ.get("TRITON_INTERPRET", "0") == "1" or not torch.cuda.is_available():
+        return None
+    import triton
+
+    return tuning.runtime_cache(torch.cuda.get_device_name(), triton.__version__)
 
 
 CUDA_LAUNCH = CudaLaunch()

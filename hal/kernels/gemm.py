@@ -145,6 +145,40 @@ def _config(m: int, n: int, k: int, spec: Gemm, tma: bool, sms: int) -> dict:
     return dict(base, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, tma=True, num_warps=8, num_stages=3)
 
 
+# The launch configurations the autotuner (hal/kernels/tuning.py) may choose from: every one keeps the
+# reduction structure above (BLOCK_K divides the contract's k_chunk; split-K stores whole chunks), so
+# every one gives the same bits (tests/test_cuda_interpreter.py and bench/tile_freedom.py check it over
+# this set). Tiles (M, N, K, warps, stages) that fit the H200's 227 KB of shared memory per block.
+_TILES = [
+    (16, 32, 256, 4, 4), (16, 64, 128, 4, 5), (16, 64, 256, 4, 3), (16, 128, 128, 4, 4), (32, 32, 256, 4, 4),
+    (32, 64, 128, 4, 4), (32, 128, 128, 4, 4), (64, 32, 128, 4, 4), (64, 64, 64, 4, 6), (64, 64, 128, 4, 4),
+    (64, 128, 64, 4, 4), (64, 256, 64, 8, 3), (128, 64, 64, 4, 4), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3),
+]
+SHARED_BYTES = 227 * 1024
+
+
+def candidates(m: int, n: int, k: int, spec: Gemm, tma_ok: bool) -> list[dict]:
+    """Every contract-preserving launch configuration worth timing for an (m, n, k) GEMM: the tiles of
+    ``_TILES`` whose BLOCK_K divides k_chunk, whose BLOCK_M is not far above M (a 128-row tile for 8 rows
+    only wastes MMAs) and that fit in shared memory, each by pointer and (where the tensors allow) by
+    descriptor, and split-K over 1 or 2 chunks per program where K has several chunks and M is small."""
+    chunks = spec.chunk_count(k)
+    out = []
+    for bm, bn, bk, warps, stages in _TILES:
+        if spec.k_chunk % bk or bm > max(16, triton.next_power_of_2(m)) * 2:
+            continue
+        if (bm + bn) * bk * 2 * stages > SHARED_BYTES:
+            continue
+        base = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
+                    GROUP_M=8 if m > 64 else 1, split=False, chunks_per_program=1, tma=False)
+        out.append(base)
+        if tma_ok and m > 16:
+            out.append(dict(base, tma=True))
+        if chunks > 1 and m <= 64:
+            out += [dict(base, split=True, chunks_per_program=c) for c in (1, 2) if c < chunks]
+    return out
+
+
 def _tma_ok(t: torch.Tensor) -> bool:
     """A tensor descriptor needs a bf16 row-major matrix with 16-byte aligned base and rows."""
     return (t.dtype == torch.bfloat16 and t.stride(1) == 1 and t.data_ptr() % 16 == 0
@@ -164,7 +198,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out
         return out.copy_((bias.float() if bias is not None else torch.zeros(n, device=x.device)).expand(m, n))
     tma_ok = not INTERPRET and _tma_ok(x) and _tma_ok(weight)
     cfg = _config(m, n, k, spec, tma_ok, policy.multiprocessors(x.device))
-    tiles = policy.gemm_tiles(m, n, k, spec, x.element_size())
+    tiles = policy.gemm_tiles(m, n, k, spec, x.element_size(), out_dtype=out_dtype)
     if tiles:
         cfg.update(tiles)
     if config:

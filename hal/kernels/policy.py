@@ -24,7 +24,8 @@ class LaunchPolicy:
         programs on them); 0 when unknown: the kernels' wave rules then keep their plain shape."""
         return 0
 
-    def gemm_tiles(self, m: int, n: int, k: int, spec: Gemm, in_bytes: int) -> dict | None:
+    def gemm_tiles(self, m: int, n: int, k: int, spec: Gemm, in_bytes: int,
+                   out_dtype: torch.dtype | None = None) -> dict | None:
         """Tile choices that replace the kernel's own for this call (keys of ``gemm._config``:
         BLOCK_M/N/K, split, num_warps, num_stages, ...), or None for the kernel's own."""
         return None

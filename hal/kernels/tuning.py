@@ -1,0 +1,182 @@
+"""GEMM launch selection by measurement (issue #20), bit-safe by construction.
+
+The contract fixes the GEMM's reduction structure (K chunks at absolute offsets, ascending); tiles,
+warps, stages, split-K and descriptor loads are free: they never change a bit (bench/tile_freedom.py,
+tests/test_cuda_interpreter.py). So the fastest launch of a shape can be found by timing.
+``tune_gemm`` times every configuration of ``gemm.candidates`` for each shape on the device, checks
+that each one gives the bits of the kernel's own configuration (one that does not is a kernel bug:
+tuning stops with an error naming it), and keeps the fastest in a ``TuneCache``, a JSON file per device.
+
+At run time the cuda backend's launch policy (``hal.backends.cuda.launch``) looks every GEMM up by its
+shape class: M rounded up to a power of two, N, K, the input and output dtypes and k_chunk. The cache
+is read once per process and never changes afterwards, so a shape class always gets the same
+configuration within a process (the bits do not depend on it anyway). Without a cache file, or for a
+shape class it does not hold, the kernel's own table (``gemm._config``) decides.
+
+    hal tune --model path/to/config.json                # a model's linears at batch sizes 1..8192
+    HAL_TUNE_CACHE=/path/tune.json python train.py      # where the cache is read (default below)
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable
+
+import torch
+
+from hal.contract import Gemm
+from hal.errors import HalError
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1
+
+
+def shape_class(m: int, n: int, k: int, in_dtype: torch.dtype, out_dtype: torch.dtype, k_chunk: int) -> str:
+    """The cache key of a GEMM: M rounded up to a power of two (decode batches vary step by step)."""
+    m_class = 1 << max(0, (max(1, m) - 1).bit_length())
+    name = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}
+    return f"m{m_class}-n{n}-k{k}-{name.get(in_dtype, str(in_dtype))}-{name.get(out_dtype, str(out_dtype))}-kc{k_chunk}"
+
+
+def default_cache_path(device_name: str) -> Path:
+    """``$HAL_TUNE_CACHE`` if set, else ``~/.cache/hal/tuning/<device>.json``."""
+    if os.environ.get("HAL_TUNE_CACHE"):
+        return Path(os.environ["HAL_TUNE_CACHE"])
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", device_name).strip("-").lower() or "device"
+    return Path.home() / ".cache" / "hal" / "tuning" / f"{slug}.json"
+
+
+@dataclass
+class TuneCache:
+    """Chosen configurations per shape class, for one device and Triton version."""
+
+    device: str
+    triton: str
+    entries: dict[str, dict] = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, path: Path) -> "TuneCache":
+        try:
+            raw = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as exc:
+            raise HalError(f"tuning cache {path} is not valid JSON ({exc}); delete it or run `hal tune` again") from None
+        if raw.get("format") != FORMAT:
+            raise HalError(f"tuning cache {path} has format {raw.get('format')!r}, this hal reads {FORMAT}; "
+                           f"run `hal tune` again")
+        return cls(raw["device"], raw["triton"], dict(raw["entries"]))
+
+    def save(self, path: Path) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"format": FORMAT, "device": self.device, "triton": self.triton,
+                                   "entries": dict(sorted(self.entries.items()))}, indent=1))
+        tmp.replace(path)     # readers never see a half-written file
+
+    def config(self, key: str) -> dict | None:
+        entry = self.entries.get(key)
+        return dict(entry["config"]) if entry else None
+
+
+@functools.lru_cache(maxsize=None)
+def runtime_cache(device_name: str, triton_version: str) -> TuneCache | None:
+    """The cache the launch policy reads for this device: loaded once per process. A cache made on
+    another device or Triton version is ignored (with a warning): its timings say nothing here."""
+    path = default_cache_path(device_name)
+    if not path.is_file():
+        return None
+    cache = TuneCache.load(path)
+    if (cache.device, cache.triton) != (device_name, triton_version):
+        log.warning("hal: ignoring the tuning cache %s, made on %s with triton %s (this is %s, triton %s)",
+                    path, cache.device, cache.triton, device_name, triton_version)
+        return None
+    log.info("hal: GEMM launches from the tuning cache %s (%d shape classes)", path, len(cache.entries))
+    return cache
+
+
+def _device_ms(fn: Callable[[], object]) -> float:
+    import triton
+
+    return triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median")
+
+
+def tune_gemm(shapes: Iterable[tuple[int, int, int]], spec: Gemm, *, dtype: torch.dtype = torch.bfloat16,
+              out_dtypes: dict[tuple[int, int], torch.dtype] | None = None, device: torch.device | str = "cuda",
+              cache: TuneCache, timer: Callable[[Callable[[], object]], float] = _device_ms,
+              progress: Callable[[str], None] | None = print) -> TuneCache:
+    """Time ``gemm.candidates`` for every (m, n, k) and record the fastest per shape class in ``cache``
+    (returned). ``out_dtypes[(n, k)]``: the output dtype of a weight (fp32 for logits; default ``dtype``).
+    Every candidate's output is compared with the kernel's own configuration's, bit for bit."""
+    from hal.kernels import gemm
+
+    out_dtypes = out_dtypes or {}
+    g = torch.Generator(device=device).manual_seed(0)
+    for m, n, k in shapes:
+        out_dtype = out_dtypes.get((n, k), dtype)
+        key = shape_class(m, n, k, dtype, out_dtype, spec.k_chunk)
+        x = torch.randn(m, k, generator=g, device=device).to(dtype)
+        w = (torch.randn(n, k, generator=g, device=device) * k ** -0.5).to(dtype)
+        reference = gemm.linear(x, w, None, out_dtype, spec, policy=CUDA_LAUNCH_DEFAULTS)
+        default_ms = timer(lambda: gemm.linear(x, w, None, out_dtype, spec, policy=CUDA_LAUNCH_DEFAULTS))
+        best, best_ms, tried = None, default_ms, 0
+        tma_ok = gemm._tma_ok(x) and gemm._tma_ok(w) and not gemm.INTERPRET
+        for config in gemm.candidates(m, n, k, spec, tma_ok):
+            try:
+                out = gemm.linear(x, w, None, out_dtype, spec, config, policy=CUDA_LAUNCH_DEFAULTS)
+            except Exception as exc:          # e.g. out of resources for this tile: not a candidate here
+                log.debug("tune %s: %s failed to launch: %s", key, config, exc)
+                continue
+            if not torch.equal(_bits(out), _bits(reference)):
+                raise HalError(f"tune: configuration {config} of the GEMM ({m}, {n}, {k}) gives other bits than "
+                               f"the kernel's own: launch choices must not change bits (a kernel bug; report it)")
+            ms = timer(lambda: gemm.linear(x, w, None, out_dtype, spec, config, policy=CUDA_LAUNCH_DEFAULTS))
+            tried += 1
+            if ms < best_ms:
+                best, best_ms = config, ms
+        if best is not None:
+            cache.entries[key] = {"config": best, "ms": best_ms, "default_ms": default_ms, "candidates": tried}
+        else:
+            cache.entries.pop(key, None)      # the kernel's own table is the fastest: nothing to override
+        if progress:
+            progress(f"  {key:44} {tried:3} candidates, default {default_ms * 1e3:8.1f} us, "
+                     f"best {best_ms * 1e3:8.1f} us ({default_ms / best_ms:.2f}x)")
+        del x, w
+    return cache
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The bit patterns of a float tensor (torch.equal on floats would call -0 and +0 equal)."""
+    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+class _DefaultsOnly:
+    """The cuda launch policy without the tuning cache: the kernel's own table is the baseline."""
+
+    def __getattr__(self, name):
+        from hal.backends.cuda.launch import CUDA_LAUNCH
+
+        return getattr(CUDA_LAUNCH, name)
+
+    def gemm_tiles(self, *args, **kwargs):
+        return None
+
+
+CUDA_LAUNCH_DEFAULTS = _DefaultsOnly()
+
+
+def model_gemm_shapes(config, batches: Iterable[int]) -> tuple[list[tuple[int, int, int]], dict]:
+    """The linears of a ``hal.model.ModelConfig`` at each batch size (tokens per call): QKV, O, gate-up,
+    down and the logits GEMM (fp32 out). Returns (shapes, out_dtypes)."""
+    c = config
+    weights = [((c.num_heads + 2 * c.num_kv_heads) * c.head_dim, c.hidden_size), (c.hidden_size, c.num_heads * c.head_dim),
+               (2 * c.intermediate_size, c.hidden_size), (c.hidden_size, c.intermediate_size),
+               (c.vocab_size, c.hidden_size)]
+    shapes = [(m, n, k) for m in batches for n, k in dict.fromkeys(weights)]
+    return shapes, {(c.vocab_size, c.hidden_size): torch.float32}
