@@ -125,13 +125,14 @@ def tune_gemm(shapes: Iterable[tuple[int, int, int]], spec: Gemm, *, dtype: torc
         w = (torch.randn(n, k, generator=g, device=device) * k ** -0.5).to(dtype)
         reference = gemm.linear(x, w, None, out_dtype, spec, policy=CUDA_LAUNCH_DEFAULTS)
         default_ms = timer(lambda: gemm.linear(x, w, None, out_dtype, spec, policy=CUDA_LAUNCH_DEFAULTS))
-        best, best_ms, tried = None, default_ms, 0
+        best, best_ms, tried, skipped = None, default_ms, 0, 0
         tma_ok = gemm._tma_ok(x) and gemm._tma_ok(w) and not gemm.INTERPRET
         for config in gemm.candidates(m, n, k, spec, tma_ok):
             try:
                 out = gemm.linear(x, w, None, out_dtype, spec, config, policy=CUDA_LAUNCH_DEFAULTS)
-            except Exception as exc:          # e.g. out of resources for this tile: not a candidate here
+            except Exception as exc:          # e.g. out of resources for this tile: not a candidate here (counted)
                 log.debug("tune %s: %s failed to launch: %s", key, config, exc)
+                skipped += 1
                 continue
             if not torch.equal(_bits(out), _bits(reference)):
                 raise HalError(f"tune: configuration {config} of the GEMM ({m}, {n}, {k}) gives other bits than "
@@ -141,11 +142,12 @@ def tune_gemm(shapes: Iterable[tuple[int, int, int]], spec: Gemm, *, dtype: torc
             if ms < best_ms:
                 best, best_ms = config, ms
         if best is not None:
-            cache.entries[key] = {"config": best, "ms": best_ms, "default_ms": default_ms, "candidates": tried}
+            cache.entries[key] = {"config": best, "ms": best_ms, "default_ms": default_ms, "candidates": tried,
+                                  "skipped": skipped}
         else:
             cache.entries.pop(key, None)      # the kernel's own table is the fastest: nothing to override
         if progress:
-            progress(f"  {key:44} {tried:3} candidates, default {default_ms * 1e3:8.1f} us, "
+            progress(f"  {key:44} {tried:3} candidates ({skipped} did not launch), default {default_ms * 1e3:8.1f} us, "
                      f"best {best_ms * 1e3:8.1f} us ({default_ms / best_ms:.2f}x)")
         del x, w
     return cache

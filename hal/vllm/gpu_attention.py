@@ -13,8 +13,8 @@ cache write included, and runs prefill and mixed steps piecewise (attention eage
 pieces). The HAL's attention and ``write_kv`` can be captured: their launches depend on shapes alone
 (the block table's width, not its contents; the metadata stays on the device), the value checks are
 skipped while a graph is captured (``hal.backend._value_stamp``), and a captured decode step replays
-with no Python at all (an eager attention call costs the host ~0.1-0.3 ms, 28 of them per step of the
-1.7B-shaped model: bench/results/h200-2026-12-01-session4/). vLLM captures with every seq_len 1 and pads
+with no Python at all (an eager attention call cost the host 0.1 ms standalone and 0.35-0.75 ms inside
+vLLM, 28 of them per step of the 1.7B-shaped model: bench/results/h200-2026-12-01-session4/). vLLM captures with every seq_len 1 and pads
 a replayed batch to the captured size; a padding request's row (no visible key) is computed and
 dropped, its slot is -1 (nothing written). The value checks then run only on eager (prefill and mixed)
 steps.
