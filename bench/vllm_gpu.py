@@ -85,8 +85,7 @@ def run_engine(args) -> None:
                         enforce_eager=args.engine == "hal-eager", gpu_memory_utilization=GPU_MEMORY_UTILIZATION,
                         block_size=args.block_size, async_scheduling=args.engine == "hal-async")
     result = {"engine": args.engine, "start_s": time.perf_counter() - t0,
-              "block_size": getattr(getattr(engine.llm.llm_engine, "vllm_config", None), "cache_config", None)}
-    result["block_size"] = getattr(result["block_size"], "block_size", None)
+              "block_size": engine.llm.llm_engine.vllm_config.cache_config.block_size}
     print(f"{args.engine}: KV pages of {result['block_size']} keys", flush=True)
     print(f"{args.engine}: engine up in {result['start_s']:.0f} s", flush=True)
     try:

@@ -175,22 +175,31 @@ def test_harness_rejects_impossible_requests():
 
 # -- long context: every chunking of the contract split at least once -------------------------------
 
-class DecodeSplitBackend(ReferenceBackend):
-    """Planted non-conformance: a single-query sequence (decode) runs attention with kv_split 1024
-    instead of the contract's 512, every other query as the contract says. Below 513 keys both have
-    one split and give the same bits, so only a sequence decoded past kv_split can show it."""
+class PlantedDecodeBackend(ReferenceBackend):
+    """Planted non-conformance: a single-query sequence (decode) runs attention under
+    ``decode_attention(contract's [attention])``, every other query as the contract says."""
 
-    name = "decode-split"
+    def decode_attention(self, spec):
+        raise NotImplementedError
 
     def attention(self, q, k_cache, v_cache, meta, *, scale):
         out = super().attention(q, k_cache, v_cache, meta, scale=scale)
-        wider = dataclasses.replace(self.contract.attention, kv_split=2 * self.contract.attention.kv_split)
-        other = paged_attention(q, k_cache, v_cache, meta, scale, wider)
+        other = paged_attention(q, k_cache, v_cache, meta, scale, self.decode_attention(self.contract.attention))
         starts, _, _ = meta.host_lists()
         for b in range(len(starts) - 1):
             if starts[b + 1] - starts[b] == 1:
                 out[starts[b]] = other[starts[b]]
         return out
+
+
+class DecodeSplitBackend(PlantedDecodeBackend):
+    """Decode with kv_split 1024 instead of the contract's 512. Below 513 keys both have one split and
+    give the same bits, so only a sequence decoded past kv_split can show it."""
+
+    name = "decode-split"
+
+    def decode_attention(self, spec):
+        return dataclasses.replace(spec, kv_split=2 * spec.kv_split)
 
 
 LONG_PROMPT, LONG_NEW = 500, 30
@@ -245,22 +254,15 @@ def test_long_context_negative_control_decode_with_another_kv_split():
 
 # -- speculative decoding: the same tokens and bits as plain decoding (issue #24) ----------------------
 
-class DecodeChunkBackend(ReferenceBackend):
-    """Planted non-conformance: a single-query sequence (decode) runs attention over KV chunks of 16 keys
-    instead of the contract's 64; a chunk of several queries (a prefill chunk, a draft verification) as
-    the contract says. Plain decoding then differs from a verification of the same positions."""
+class DecodeChunkBackend(PlantedDecodeBackend):
+    """Decode over KV chunks of 16 keys instead of the contract's 64; a chunk of several queries (a prefill
+    chunk, a draft verification) as the contract says. Plain decoding then differs from a verification
+    of the same positions."""
 
     name = "decode-chunk"
 
-    def attention(self, q, k_cache, v_cache, meta, *, scale):
-        out = super().attention(q, k_cache, v_cache, meta, scale=scale)
-        narrow = dataclasses.replace(self.contract.attention, kv_chunk=16)
-        other = paged_attention(q, k_cache, v_cache, meta, scale, narrow)
-        starts, _, _ = meta.host_lists()
-        for b in range(len(starts) - 1):
-            if starts[b + 1] - starts[b] == 1:
-                out[starts[b]] = other[starts[b]]
-        return out
+    def decode_attention(self, spec):
+        return dataclasses.replace(spec, kv_chunk=16)
 
 
 SPEC_REQUESTS = [  # repetitive prompts (prompt lookup finds drafts), greedy and sampled

@@ -21,6 +21,11 @@ _IN_DTYPES = {2: torch.bfloat16, 4: torch.float32}
 
 
 class CudaLaunch(LaunchPolicy):
+    """``tuned=False``: the kernels' own tiles even where a tuning cache holds a choice (the tuner's baseline)."""
+
+    def __init__(self, tuned: bool = True):
+        self.tuned = tuned
+
     def multiprocessors(self, device: torch.device) -> int:
         """The GPU's streaming multiprocessors; 0 for CPU tensors (Triton's interpreter)."""
         return _multiprocessors(device.index or 0) if device.type == "cuda" else 0
@@ -29,7 +34,7 @@ class CudaLaunch(LaunchPolicy):
                    out_dtype: torch.dtype | None = None) -> dict | None:
         """The tuned configuration of this GEMM's shape class (``hal tune``, hal/kernels/tuning.py), if
         this device has a tuning cache holding it; otherwise the kernel's own table decides."""
-        cache = _tuning_cache()
+        cache = _tuning_cache() if self.tuned else None
         if cache is None:
             return None
         in_dtype = _IN_DTYPES.get(in_bytes)
@@ -53,3 +58,4 @@ def _tuning_cache() -> tuning.TuneCache | None:
 
 
 CUDA_LAUNCH = CudaLaunch()
+CUDA_LAUNCH_UNTUNED = CudaLaunch(tuned=False)

@@ -114,6 +114,7 @@ def tune_gemm(shapes: Iterable[tuple[int, int, int]], spec: Gemm, *, dtype: torc
     """Time ``gemm.candidates`` for every (m, n, k) and record the fastest per shape class in ``cache``
     (returned). ``out_dtypes[(n, k)]``: the output dtype of a weight (fp32 for logits; default ``dtype``).
     Every candidate's output is compared with the kernel's own configuration's, bit for bit."""
+    from hal.backends.cuda.launch import CUDA_LAUNCH_UNTUNED as untuned   # the kernel's own tiles as the baseline
     from hal.kernels import gemm
 
     out_dtypes = out_dtypes or {}
@@ -123,13 +124,13 @@ def tune_gemm(shapes: Iterable[tuple[int, int, int]], spec: Gemm, *, dtype: torc
         key = shape_class(m, n, k, dtype, out_dtype, spec.k_chunk)
         x = torch.randn(m, k, generator=g, device=device).to(dtype)
         w = (torch.randn(n, k, generator=g, device=device) * k ** -0.5).to(dtype)
-        reference = gemm.linear(x, w, None, out_dtype, spec, policy=CUDA_LAUNCH_DEFAULTS)
-        default_ms = timer(lambda: gemm.linear(x, w, None, out_dtype, spec, policy=CUDA_LAUNCH_DEFAULTS))
+        reference = gemm.linear(x, w, None, out_dtype, spec, policy=untuned)
+        default_ms = timer(lambda: gemm.linear(x, w, None, out_dtype, spec, policy=untuned))
         best, best_ms, tried, skipped = None, default_ms, 0, 0
         tma_ok = gemm._tma_ok(x) and gemm._tma_ok(w) and not gemm.INTERPRET
         for config in gemm.candidates(m, n, k, spec, tma_ok):
             try:
-                out = gemm.linear(x, w, None, out_dtype, spec, config, policy=CUDA_LAUNCH_DEFAULTS)
+                out = gemm.linear(x, w, None, out_dtype, spec, config, policy=untuned)
             except Exception as exc:          # e.g. out of resources for this tile: not a candidate here (counted)
                 log.debug("tune %s: %s failed to launch: %s", key, config, exc)
                 skipped += 1
@@ -137,7 +138,7 @@ def tune_gemm(shapes: Iterable[tuple[int, int, int]], spec: Gemm, *, dtype: torc
             if not torch.equal(_bits(out), _bits(reference)):
                 raise HalError(f"tune: configuration {config} of the GEMM ({m}, {n}, {k}) gives other bits than "
                                f"the kernel's own: launch choices must not change bits (a kernel bug; report it)")
-            ms = timer(lambda: gemm.linear(x, w, None, out_dtype, spec, config, policy=CUDA_LAUNCH_DEFAULTS))
+            ms = timer(lambda: gemm.linear(x, w, None, out_dtype, spec, config, policy=untuned))
             tried += 1
             if ms < best_ms:
                 best, best_ms = config, ms
@@ -156,21 +157,6 @@ def tune_gemm(shapes: Iterable[tuple[int, int, int]], spec: Gemm, *, dtype: torc
 def _bits(t: torch.Tensor) -> torch.Tensor:
     """The bit patterns of a float tensor (torch.equal on floats would call -0 and +0 equal)."""
     return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
-
-
-class _DefaultsOnly:
-    """The cuda launch policy without the tuning cache: the kernel's own table is the baseline."""
-
-    def __getattr__(self, name):
-        from hal.backends.cuda.launch import CUDA_LAUNCH
-
-        return getattr(CUDA_LAUNCH, name)
-
-    def gemm_tiles(self, *args, **kwargs):
-        return None
-
-
-CUDA_LAUNCH_DEFAULTS = _DefaultsOnly()
 
 
 def model_gemm_shapes(config, batches: Iterable[int]) -> tuple[list[tuple[int, int, int]], dict]:

@@ -363,6 +363,7 @@ class RolloutHarness:
         page = self.config.page_size
         ids, positions, slots, q_lens, seq_lens, page_lists, logits_rows = [], [], [], [], [], [], []
         sampling: list[tuple[_Seq, int]] = []        # (sequence, position of the token sampled)
+        sampled: list[tuple[_Seq, list[int]]] = []    # (sequence, its drafts), in sampling's order
         watch_rows, watch_positions = [], []
         rows = 0
         for seq, n, drafts in scheduled:
@@ -381,6 +382,7 @@ class RolloutHarness:
                 first = rows - 1 - len(drafts)
                 logits_rows.extend(range(first, rows))
                 sampling.extend((seq, len(seq.tokens) + j) for j in range(1 + len(drafts)))
+                sampled.append((seq, drafts))
         stats.rows.append(rows)
         decodes = sum(1 for seq, n, _ in scheduled if seq.generated > 0 and seq.computed == len(seq.tokens) - 1)
         stats.mixed_steps += int(0 < decodes < len(scheduled))
@@ -414,10 +416,7 @@ class RolloutHarness:
                 for j, i in enumerate(idx):
                     logprobs[i] = values[j]
         at = 0
-        drafts_of = {id(seq): drafts for seq, _, drafts in scheduled}
-        while at < len(sampling):
-            seq = sampling[at][0]
-            drafts = drafts_of[id(seq)]
+        for seq, drafts in sampled:
             targets = list(zip(tokens[at:at + 1 + len(drafts)], logprobs[at:at + 1 + len(drafts)]))
             at += 1 + len(drafts)
             if drafts:
