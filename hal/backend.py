@@ -16,12 +16,15 @@ import abc
 import dataclasses
 import functools
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Mapping
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping
 
 import torch
 
 from hal.contract import Contract
 from hal.errors import ContractMismatchError, UnsupportedError
+
+if TYPE_CHECKING:
+    from hal.moe import Routing
 
 
 @dataclass(frozen=True)
@@ -434,6 +437,25 @@ class Backend(abc.ABC):
     def topk(self, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The k largest along the last dim: (values, int64 indices), value-descending, ties to the lower index."""
 
+    # Mixture-of-experts (``hal.moe``; the contract's [moe]). Not abstract: a backend without MoE
+    # refuses them, and a dense model never calls them.
+
+    def moe_route(self, router_logits: torch.Tensor, routing: "Routing",
+                  correction_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Route tokens to experts: fp32 router logits (T, E) -> (fp32 weights (T, k), int32 expert
+        ids (T, k)), ids in rank order. ``routing`` (``hal.moe.Routing``) is the model's scheme;
+        ``correction_bias`` (E,) shifts the choice only (DeepSeek-V3)."""
+        raise UnsupportedError(f"backend {self.name!r} does not realise mixture-of-experts layers "
+                               f"(moe_route); use one that does (`hal doctor`)")
+
+    def moe_experts(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                    topk_ids: torch.Tensor, shared: torch.Tensor | None = None) -> torch.Tensor:
+        """The routed experts' weighted sum for every token: x (T, H); w13 (E, 2I, H) rows [gate | up];
+        w2 (E, H, I); topk_weights/ids (T, k) from ``moe_route``; shared (T, H): the shared experts'
+        output, added before the single rounding. Returns (T, H) in x's dtype."""
+        raise UnsupportedError(f"backend {self.name!r} does not realise mixture-of-experts layers "
+                               f"(moe_experts); use one that does (`hal doctor`)")
+
 
 # -- the shared input checks, run before every op of every backend ---------------------------------
 # Each takes the op's arguments and returns None (go on to the backend) or the op's result for an
@@ -565,11 +587,53 @@ def _topk_input(self, x, k):
     return None
 
 
+def _moe_route_input(self, router_logits, routing, correction_bias=None):
+    self.check_not_meta("moe_route", router_logits, correction_bias)
+    if router_logits.dim() != 2 or router_logits.dtype != torch.float32:
+        raise UnsupportedError(f"{self.name}.moe_route: router logits must be fp32 (T, E) (the [gemm] linear with "
+                               f"out_dtype=float32), got {tuple(router_logits.shape)} {router_logits.dtype}")
+    if router_logits.shape[1] != routing.num_experts:
+        raise UnsupportedError(f"{self.name}.moe_route: {router_logits.shape[1]} logits per token for "
+                               f"{routing.num_experts} experts")
+    if correction_bias is not None and tuple(correction_bias.shape) != (routing.num_experts,):
+        raise UnsupportedError(f"{self.name}.moe_route: correction_bias must be ({routing.num_experts},), got "
+                               f"{tuple(correction_bias.shape)}")
+    if router_logits.shape[0] == 0:
+        return (router_logits.new_empty((0, routing.top_k)),
+                router_logits.new_empty((0, routing.top_k), dtype=torch.int32))
+    return None
+
+
+def _moe_experts_input(self, x, w13, w2, topk_weights, topk_ids, shared=None):
+    op = "moe_experts"
+    self.check_not_meta(op, x, w13, w2, topk_weights, topk_ids, shared)
+    self.check_dtype(op, x, w13, w2, *([shared] if shared is not None else []))
+    if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
+        raise UnsupportedError(f"{self.name}.{op}: x must be (T, H), w13 (E, 2I, H), w2 (E, H, I); got "
+                               f"{tuple(x.shape)}, {tuple(w13.shape)}, {tuple(w2.shape)}")
+    e, two_i, h = w13.shape
+    if h != x.shape[1] or two_i % 2 or tuple(w2.shape) != (e, h, two_i // 2):
+        raise UnsupportedError(f"{self.name}.{op}: shapes do not fit: x {tuple(x.shape)}, w13 {tuple(w13.shape)} "
+                               f"(E, 2I, H), w2 {tuple(w2.shape)} (E, H, I)")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0] or topk_weights.shape != topk_ids.shape:
+        raise UnsupportedError(f"{self.name}.{op}: topk_weights and topk_ids must both be (T={x.shape[0]}, k), got "
+                               f"{tuple(topk_weights.shape)} and {tuple(topk_ids.shape)}")
+    if topk_weights.dtype != torch.float32 or topk_ids.dtype not in (torch.int32, torch.int64):
+        raise UnsupportedError(f"{self.name}.{op}: topk_weights must be fp32 and topk_ids int32/int64, got "
+                               f"{topk_weights.dtype} and {topk_ids.dtype}")
+    if shared is not None and shared.shape != x.shape:
+        raise UnsupportedError(f"{self.name}.{op}: shared must be like x {tuple(x.shape)}, got {tuple(shared.shape)}")
+    if x.shape[0] == 0:
+        return x.new_empty(x.shape)
+    return None
+
+
 _INPUT_CHECKS = {
     "linear": _linear_input, "attention": _attention_input, "write_kv": _write_kv_input,
     "rms_norm": _rms_norm_input, "silu_mul": _silu_mul_input, "rotary": _rotary_input,
     "log_softmax": _log_softmax_input, "token_logprobs": _token_logprobs_input,
     "sum": _reduce_input("sum"), "mean": _reduce_input("mean"), "topk": _topk_input,
+    "moe_route": _moe_route_input, "moe_experts": _moe_experts_input,
 }
 
 

@@ -223,10 +223,49 @@ class TopK:
     order: str = _choice("value_desc_index_asc", doc="outputs sorted by value descending, then index ascending")
 
 
+@dataclass(frozen=True)
+class Moe:
+    """Mixture-of-experts layers (only in contracts for MoE models; see ``OPTIONAL_SECTIONS``).
+
+    Which scoring function, how many experts per token, whether weights are renormalised, the group
+    limits and the scaling factor are the model's (its config.json); how each is computed is here."""
+
+    router_logits: str = _choice("fp32_gemm", doc="router logits = [gemm] linear of the normed hidden state with "
+                                                  "fp32 output (logits_dtype), never rounded to the activation dtype")
+    softmax: str = _choice("max_exp_sum_div_rn", doc="p_e = fl32(exp(fl32(x_e - max)) / S), S = the [reduce] sum of "
+                                                     "the exps over experts; exp as in [logprobs]")
+    sigmoid: str = _choice("one_div_1p_exp_neg_x", doc="s_e = fl32(1 / fl32(1 + exp(-x_e)))")
+    selection: str = _choice("topk_lower_index", doc="the top_k experts by choice score (score + correction bias, "
+                                                     "fl32 add, when the model has one), ties to the lower expert "
+                                                     "index, ranked by value descending then index ascending")
+    group_score: str = _choice("sum_top2", doc="group-limited routing: a group's score is fl32(a + b) of its two best "
+                                               "choice scores; the topk_group best groups are kept, ties to the lower "
+                                               "group index; experts of other groups are never chosen")
+    weights: str = _choice("unbiased_score", doc="an expert's weight is its score without the correction bias")
+    renormalize: str = _choice("sum_by_rank_div_rn", doc="w_r = fl32(w_r / S), S = fl32 sum of w_0 .. w_{k-1} "
+                                                         "added in rank order (when the model renormalises)")
+    scaling: str = _choice("fp32_multiply_last", doc="w_r = fl32(w_r * routed_scaling_factor), after renormalising")
+    expert_gemm: str = _choice("per_token_dense_rule", doc="every expert GEMM is a [gemm] linear of one token's row: "
+                                                           "its bits do not depend on which tokens share the expert, "
+                                                           "their order, or where the expert is placed")
+    expert_rounding: str = _choice("gate_up_act_round_down_fp32", doc="gate_up is rounded to the activation dtype, "
+                                                                     "silu_mul as in [silu_mul]; the down projection "
+                                                                     "stays fp32 (not rounded) until the combine")
+    combine: str = _choice("fp32_by_rank_round_once", doc="out = round_act(fl32(... fl32(fl32(w_0 y_0) + fl32(w_1 y_1)) "
+                                                          "... + shared)): products rounded to fp32 (no FMA), added "
+                                                          "in rank order 0..k-1, then the shared experts' output "
+                                                          "(activation dtype) added in fp32, one rounding")
+
+
 SECTIONS: dict[str, type] = {
     "contract": Header, "gemm": Gemm, "attention": Attention, "rms_norm": RmsNorm,
     "silu_mul": SiluMul, "rope": Rope, "logprobs": Logprobs, "reduce": Reduce, "topk": TopK,
+    "moe": Moe,
 }
+#: Sections a contract may leave out: a contract without [moe] covers dense models only, and an MoE
+#: layer refuses to run under it. An absent section is absent from the fingerprint too, so adding an
+#: optional section to the schema changes no existing contract's fingerprint.
+OPTIONAL_SECTIONS = ("moe",)
 
 
 @dataclass(frozen=True)
@@ -242,6 +281,7 @@ class Contract:
     logprobs: Logprobs
     reduce: Reduce
     topk: TopK
+    moe: Moe | None = None
     source: str = field(compare=False, default="<memory>")
 
     @property
@@ -256,8 +296,9 @@ class Contract:
         """The validated values, section by section (what the fingerprint hashes)."""
         out: dict[str, dict[str, Any]] = {"schema": {"id": SCHEMA}}
         for section in SECTIONS:
-            attr = "header" if section == "contract" else section
-            out[section] = dataclasses.asdict(getattr(self, attr))
+            value = getattr(self, "header" if section == "contract" else section)
+            if value is not None:
+                out[section] = dataclasses.asdict(value)
         return out
 
     def canonical_json(self) -> str:
@@ -337,6 +378,8 @@ def parse_contract(text: str, source: str = "<string>") -> Contract:
     parts = {}
     for section, cls in SECTIONS.items():
         if section not in raw:
+            if section in OPTIONAL_SECTIONS:
+                continue
             raise ContractError(source, f"[{section}]", "<missing>", "the section to be present")
         parts["header" if section == "contract" else section] = _validate_section(source, section, cls, raw[section])
     contract = Contract(**parts, source=source)

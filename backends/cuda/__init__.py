@@ -23,6 +23,7 @@ import os
 
 import torch
 
+from hal import moe
 from hal.backend import Allowed, AttentionMetadata, Backend, Capabilities, Probe
 from hal.errors import UnsupportedError
 from hal.kernels.realises import CONTRACT_VALUES, HEAD_DIMS
@@ -30,7 +31,7 @@ from hal.kernels.realises import CONTRACT_VALUES, HEAD_DIMS
 MIN_CAPABILITY = (8, 0)  # bf16 tensor-core MMA
 
 CAPABILITIES = Capabilities(
-    contracts=("bf16-dense-v1",),
+    contracts=("bf16-dense-v1", "bf16-moe-v1"),
     dtypes=(torch.bfloat16, torch.float32),
     head_dims=HEAD_DIMS,
     page_sizes=None,  # any: a KV chunk that crosses pages is loaded key by key
@@ -78,14 +79,14 @@ class CudaBackend(Backend):
     def __init__(self, contract, device=None):
         super().__init__(contract, device)
         from hal.backends.cuda.launch import CUDA_LAUNCH
-        from hal.kernels import attention, gemm, kv_write, logprobs, rows
+        from hal.kernels import attention, gemm, kv_write, logprobs, moe, rows
 
         if _interpreting():
             from hal.kernels.interpreter import patch_row_dot
 
             patch_row_dot()
         self._gemm, self._attention, self._rows, self._logprobs = gemm, attention, rows, logprobs
-        self._kv_write = kv_write
+        self._kv_write, self._moe = kv_write, moe
         self._launch = CUDA_LAUNCH
 
     # -- GEMM ---------------------------------------------------------------------------------
@@ -143,3 +144,17 @@ class CudaBackend(Backend):
     def topk(self, x, k):
         values, indices = torch.sort(x, dim=-1, descending=True, stable=True)
         return values[..., :k].contiguous(), indices[..., :k].contiguous()
+
+    # -- mixture of experts ([moe]) -----------------------------------------------------------
+
+    def moe_route(self, router_logits, routing, correction_bias=None):
+        moe.check_contract(self)
+        self.check_devices("moe_route", router_logits, correction_bias)
+        return self._moe.route(router_logits, routing, correction_bias, self.contract.reduce)
+
+    def moe_experts(self, x, w13, w2, topk_weights, topk_ids, shared=None):
+        # Each expert's rows through the contract GEMM and silu_mul kernels (batch-invariant, so a
+        # slot's bits do not depend on its expert's other tokens), then the rank-order combine.
+        moe.check_contract(self)
+        self.check_devices("moe_experts", x, w13, w2, topk_weights, topk_ids, shared)
+        return moe.experts(self, x, w13, w2, topk_weights, topk_ids, shared)

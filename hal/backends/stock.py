@@ -108,6 +108,37 @@ class TorchBackend(Backend):
     def topk(self, x, k):
         return torch.topk(x, k, dim=-1)
 
+    def moe_route(self, router_logits, routing, correction_bias=None):
+        # Hugging Face's routing: torch.softmax / sigmoid, torch.topk (which breaks ties as its kernel
+        # happens to), an unordered sum for the renormalisation.
+        x = router_logits.float()
+        scores = torch.softmax(x, dim=-1) if routing.scoring == "softmax" else torch.sigmoid(x)
+        choice = scores if correction_bias is None else scores + correction_bias.float()
+        if routing.num_groups > 1:
+            t, e = choice.shape
+            grouped = choice.view(t, routing.num_groups, e // routing.num_groups)
+            group_scores = grouped.topk(2, dim=-1).values.sum(-1)
+            kept = group_scores.topk(routing.topk_groups, dim=-1).indices
+            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(-1, kept, True)
+            choice = grouped.masked_fill(~keep.unsqueeze(-1), 0.0).view(t, e)
+        ids = torch.topk(choice, routing.top_k, dim=-1).indices
+        weights = scores.gather(-1, ids)
+        if routing.renormalize:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return weights * routing.scaling, ids.to(torch.int32)
+
+    def moe_experts(self, x, w13, w2, topk_weights, topk_ids, shared=None):
+        # Hugging Face's expert loop: each expert's tokens batched through F.linear (a BLAS call whose
+        # kernel depends on how many tokens the expert got), the weighted outputs rounded to the
+        # activation dtype and added into the output in expert order, not in each token's rank order.
+        out = torch.zeros_like(x) if shared is None else shared.clone()
+        for expert in topk_ids.unique().tolist():
+            token, rank = (topk_ids == expert).nonzero(as_tuple=True)
+            gate, up = F.linear(x[token], w13[expert]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, w2[expert])
+            out.index_add_(0, token, (y * topk_weights[token, rank].unsqueeze(-1).to(y.dtype)))
+        return out
+
 
 def _log_softmax(logits, temperature):
     return torch.log_softmax(logits.float() / temperature, dim=-1)

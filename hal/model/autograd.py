@@ -175,6 +175,51 @@ def token_logprobs(backend: Backend, logits: torch.Tensor, token_ids: torch.Tens
     return apply(op, logits)
 
 
+def moe_route(backend: Backend, logits: torch.Tensor, routing, correction_bias: torch.Tensor | None, *,
+              name: str = "moe_route") -> tuple[torch.Tensor, torch.Tensor]:
+    """``backend.moe_route`` with the gradient of the chosen experts' weights (their fp32 scores,
+    renormalised and scaled) with respect to the router logits. The choice itself has no gradient:
+    the graph reuses the forward's expert ids (a recomputed top-k could break a tie differently)."""
+    chosen: dict[str, torch.Tensor] = {}
+
+    def visible(logits, bias):
+        weights, ids = backend.moe_route(logits, routing, bias)
+        chosen["ids"] = ids
+        return weights, ids
+
+    def graph(logits, bias):
+        x = logits.float()
+        scores = torch.softmax(x, dim=-1) if routing.scoring == "softmax" else torch.sigmoid(x)
+        weights = scores.gather(-1, chosen["ids"].long())
+        if routing.renormalize:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return weights * routing.scaling, chosen["ids"]
+
+    return apply(KernelOp(name, visible, graph, ("router_logits", "correction_bias")), logits, correction_bias)
+
+
+def moe_experts(backend: Backend, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                ids: torch.Tensor, shared: torch.Tensor | None, *, name: str = "moe_experts") -> torch.Tensor:
+    """``backend.moe_experts`` with fp32 reference gradients for x, the expert weights, the routing
+    weights (so the router learns) and the shared experts' output."""
+    def visible(x, w13, w2, weights, shared):
+        return backend.moe_experts(x, w13, w2, weights, ids, shared)
+
+    def graph(x, w13, w2, weights, shared):
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        if shared is not None:
+            out = out + shared.float()
+        for expert in ids.unique().tolist():
+            token, rank = (ids == expert).nonzero(as_tuple=True)
+            gate, up = F.linear(x[token].float(), w13[expert].float()).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, w2[expert].float())
+            out = out.index_add(0, token, weights[token, rank].unsqueeze(-1) * y)
+        return out
+
+    op = KernelOp(name, visible, graph, ("x", "w13", "w2", "topk_weights", "shared"))
+    return apply(op, x, w13, w2, weights, shared)
+
+
 # ---------------------------------------------------------------------------------------------
 # Training attention: K/V go through write_kv into contiguous pages, then backend.attention.
 # ---------------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Local Hugging Face checkpoints (config.json + *.safetensors) <-> the vLLM weight layout.
 
-HF stores q_proj / k_proj / v_proj and gate_proj / up_proj separately; the model (like vLLM) holds
-them merged as qkv_proj = [q | k | v] and gate_up_proj = [gate | up] along the output rows. Loading
+HF stores q_proj / k_proj / v_proj and gate_proj / up_proj separately (and every expert of an MoE
+layer on its own); the model (like vLLM) holds them merged as qkv_proj = [q | k | v] and
+gate_up_proj = [gate | up] along the output rows, and an MoE layer's experts stacked (w13, w2). Loading
 copies each HF tensor into its row slice (exact copies, cast to the model dtype when asked);
 saving splits them back. Nothing is downloaded: the path must be a local directory.
 """
@@ -16,7 +17,7 @@ import torch
 
 from hal.backend import Backend
 from hal.model.config import CheckpointError, ModelConfig, read_hf_config
-from hal.model.model import DecoderLM
+from hal.model.model import MLP, DecoderLM, MoE
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ def _safetensors():
 def hf_slices(model: DecoderLM) -> dict[str, tuple[torch.Tensor, slice]]:
     """Every HF tensor name -> (the model parameter it lives in, its row slice of that parameter)."""
     c = model.config
-    q, kv, inter = c.q_size, c.kv_size, c.intermediate_size
+    q, kv = c.q_size, c.kv_size
     whole = slice(None)
     out: dict[str, tuple[torch.Tensor, slice]] = {"model.embed_tokens.weight": (model.model.embed_tokens.weight, whole),
                                                   "model.norm.weight": (model.model.norm.weight, whole)}
@@ -59,9 +60,34 @@ def hf_slices(model: DecoderLM) -> dict[str, tuple[torch.Tensor, slice]]:
         if c.qk_norm:
             out[p + "self_attn.q_norm.weight"] = (attn.q_norm.weight, whole)
             out[p + "self_attn.k_norm.weight"] = (attn.k_norm.weight, whole)
-        out[p + "mlp.gate_proj.weight"] = (mlp.gate_up_proj.weight, slice(0, inter))
-        out[p + "mlp.up_proj.weight"] = (mlp.gate_up_proj.weight, slice(inter, 2 * inter))
-        out[p + "mlp.down_proj.weight"] = (mlp.down_proj.weight, whole)
+        if isinstance(mlp, MoE):
+            out.update(_moe_slices(mlp, p + "mlp."))
+        else:
+            out.update(_mlp_slices(mlp, p + "mlp."))
+    return out
+
+
+def _mlp_slices(mlp: MLP, p: str) -> dict[str, tuple[torch.Tensor, slice]]:
+    inter = mlp.down_proj.weight.shape[1]
+    return {p + "gate_proj.weight": (mlp.gate_up_proj.weight, slice(0, inter)),
+            p + "up_proj.weight": (mlp.gate_up_proj.weight, slice(inter, 2 * inter)),
+            p + "down_proj.weight": (mlp.down_proj.weight, slice(None))}
+
+
+def _moe_slices(mlp: MoE, p: str) -> dict[str, tuple[torch.Tensor, slice | tuple]]:
+    """HF stores one gate/up/down per expert; the model holds them stacked, as vLLM's FusedMoE does."""
+    w13, w2 = mlp.experts.w13_weight, mlp.experts.w2_weight
+    inter = w2.shape[2]
+    out: dict[str, tuple[torch.Tensor, slice | tuple]] = {p + "gate.weight": (mlp.gate.weight, slice(None))}
+    if mlp.gate.e_score_correction_bias is not None:
+        out[p + "gate.e_score_correction_bias"] = (mlp.gate.e_score_correction_bias, slice(None))
+    for e in range(w13.shape[0]):
+        q = f"{p}experts.{e}."
+        out[q + "gate_proj.weight"] = (w13, (e, slice(0, inter)))
+        out[q + "up_proj.weight"] = (w13, (e, slice(inter, 2 * inter)))
+        out[q + "down_proj.weight"] = (w2, (e, slice(None)))
+    if mlp.shared_experts is not None:
+        out.update(_mlp_slices(mlp.shared_experts, p + "shared_experts."))
     return out
 
 

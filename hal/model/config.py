@@ -1,8 +1,13 @@
-"""The architecture of a dense decoder LLM of the Llama / Qwen2 / Qwen3 family, as plain data.
+"""The architecture of a decoder LLM of the Llama / Qwen2 / Qwen3 / Qwen3-MoE family, as plain data.
 
-The three families share one block (RMSNorm, GQA attention with neox RoPE, SwiGLU MLP) and differ
-only in switches: Qwen2 adds a bias to the merged qkv projection, Qwen3 normalises every query and
-key head (RMSNorm over head_dim) before RoPE. ``ModelConfig.from_hf`` reads a Hugging Face
+The families share one block (RMSNorm, GQA attention with neox RoPE, SwiGLU MLP) and differ only in
+switches: Qwen2 adds a bias to the merged qkv projection, Qwen3 normalises every query and key head
+(RMSNorm over head_dim) before RoPE, Qwen3-MoE is Qwen3 with a mixture-of-experts MLP (``hal.moe``)
+in every layer not listed in ``moe_dense_layers``. The MoE block also takes DeepSeek-V3's routing
+switches (``scoring_func = "sigmoid"``, ``n_group`` / ``topk_group``, the ``e_score_correction_bias``
+of ``topk_method = "noaux_tc"``, ``routed_scaling_factor``, ``n_shared_experts``) under their HF
+names: a DeepSeek-style MoE block on Qwen3 attention, a combination no HF architecture ships
+(DeepSeek-V3's own MLA attention is not implemented). ``ModelConfig.from_hf`` reads a Hugging Face
 ``config.json``; anything it cannot honour exactly (rope scaling, sliding windows, partial rotary,
 MLP bias, another activation) is refused with the key that asked for it, never silently ignored.
 """
@@ -19,10 +24,11 @@ import torch
 
 from hal.errors import CheckpointError, UnsupportedError
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-_HF_CLASSES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+_HF_CLASSES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+               "Qwen3MoeForCausalLM": "qwen3_moe"}
 
 
 _REQUIRED = object()
@@ -118,6 +124,18 @@ class ModelConfig:
     qkv_bias: bool = False      # Qwen2 (and Llama with attention_bias)
     qk_norm: bool = False       # Qwen3
     dtype: str = "bfloat16"
+    # Mixture of experts (qwen3_moe; 0 experts: a dense MLP in every layer). HF names.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_dense_layers: tuple[int, ...] = ()   # layers with a dense MLP (HF mlp_only_layers, decoder_sparse_step)
+    scoring_func: str = "softmax"            # DeepSeek-V3: "sigmoid"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    e_score_correction_bias: bool = False     # DeepSeek-V3 topk_method "noaux_tc"
+    n_shared_experts: int = 0                 # shared experts of moe_intermediate_size each, one merged MLP
 
     def __post_init__(self):
         if self.architecture not in ARCHITECTURES:
@@ -133,6 +151,32 @@ class ModelConfig:
         if self.head_dim % 2:
             raise UnsupportedError(f"model config: head_dim must be even for RoPE, got {self.head_dim}")
         dtype_from_name(self.dtype)
+        object.__setattr__(self, "moe_dense_layers", tuple(int(i) for i in self.moe_dense_layers))
+        if self.architecture == "qwen3_moe":
+            if self.moe_intermediate_size <= 0:
+                raise UnsupportedError(f"model config: qwen3_moe needs moe_intermediate_size > 0, got "
+                                       f"{self.moe_intermediate_size}")
+            self.routing   # validates the routing switches (hal.moe.Routing)
+        elif self.num_experts:
+            raise UnsupportedError(f"model config: num_experts = {self.num_experts} needs architecture 'qwen3_moe', "
+                                   f"not {self.architecture!r}")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.architecture == "qwen3_moe"
+
+    def moe_layer(self, index: int) -> bool:
+        """Whether layer ``index`` has a mixture-of-experts MLP (else a dense one)."""
+        return self.is_moe and index not in self.moe_dense_layers
+
+    @property
+    def routing(self):
+        """The MoE routing scheme (``hal.moe.Routing``) of an MoE model."""
+        from hal.moe import Routing
+
+        return Routing(num_experts=self.num_experts, top_k=self.num_experts_per_tok, scoring=self.scoring_func,
+                       renormalize=self.norm_topk_prob, num_groups=self.n_group, topk_groups=self.topk_group,
+                       scaling=self.routed_scaling_factor)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -185,6 +229,7 @@ class ModelConfig:
         hidden = r.integer("hidden_size")
         if dtype is None:
             dtype = r.text("torch_dtype", None) or r.text("dtype", None) or "bfloat16"
+        moe = _read_moe(r, arch, r.integer("num_hidden_layers"))
         theta = params.get("rope_theta", 10000.0)
         if isinstance(theta, bool) or not isinstance(theta, (int, float)):
             raise CheckpointError(f"{source}: rope_parameters.rope_theta = {json.dumps(theta)}: expected a number")
@@ -202,8 +247,9 @@ class ModelConfig:
             max_position=r.integer("max_position_embeddings", 4096),
             tie_word_embeddings=r.flag("tie_word_embeddings"),
             qkv_bias=arch == "qwen2" or r.flag("attention_bias"),
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in ("qwen3", "qwen3_moe"),
             dtype=str(dtype_from_name(dtype)).replace("torch.", ""),
+            **moe,
         )
 
     def to_hf(self) -> dict[str, Any]:
@@ -228,18 +274,61 @@ class ModelConfig:
         }
         if self.architecture == "llama":
             hf["attention_bias"] = self.qkv_bias
-        elif self.architecture == "qwen3":
+        elif self.architecture in ("qwen3", "qwen3_moe"):
             hf["attention_bias"] = False
+        if self.is_moe:
+            hf.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                      moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob,
+                      mlp_only_layers=list(self.moe_dense_layers), decoder_sparse_step=1)
+            deepseek = {"scoring_func": (self.scoring_func, "softmax"), "n_group": (self.n_group, 1),
+                        "topk_group": (self.topk_group, 1),
+                        "routed_scaling_factor": (self.routed_scaling_factor, 1.0),
+                        "n_shared_experts": (self.n_shared_experts, 0)}
+            hf.update({key: value for key, (value, default) in deepseek.items() if value != default})
+            if self.e_score_correction_bias:
+                hf["topk_method"] = "noaux_tc"
         return hf
+
+
+def _read_moe(r: _HfReader, arch: str, num_layers: int) -> dict[str, Any]:
+    """The MoE fields of a qwen3_moe config.json (HF Qwen3-MoE names, plus DeepSeek-V3's routing
+    switches under theirs); {} for a dense architecture."""
+    if arch != "qwen3_moe":
+        return {}
+    step = r.integer("decoder_sparse_step", 1)
+    if step < 1:
+        raise CheckpointError(f"{r.source}: decoder_sparse_step = {step}: expected an integer >= 1")
+    only = r._get("mlp_only_layers", [], (list,), "a list of layer indices")
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
+        raise CheckpointError(f"{r.source}: mlp_only_layers = {json.dumps(only)}: expected a list of layer indices")
+    # HF Qwen3-MoE: layer i is sparse iff i is not in mlp_only_layers and (i + 1) % step == 0.
+    dense = tuple(i for i in range(num_layers) if i in only or (i + 1) % step)
+    method = r.text("topk_method", "greedy")
+    if method not in ("greedy", "noaux_tc"):
+        raise UnsupportedError(f"{r.source}: topk_method {method!r} is not supported (greedy or noaux_tc)")
+    if r.integer("first_k_dense_replace", 0):
+        raise UnsupportedError(f"{r.source}: first_k_dense_replace is DeepSeek's; a qwen3_moe config names its "
+                               f"dense layers with mlp_only_layers")
+    return dict(num_experts=r.integer("num_experts"), num_experts_per_tok=r.integer("num_experts_per_tok"),
+                moe_intermediate_size=r.integer("moe_intermediate_size"),
+                norm_topk_prob=r.flag("norm_topk_prob", False), moe_dense_layers=dense,
+                scoring_func=r.text("scoring_func", "softmax"), n_group=r.integer("n_group", 1),
+                topk_group=r.integer("topk_group", 1),
+                routed_scaling_factor=r.number("routed_scaling_factor", 1.0),
+                e_score_correction_bias=method == "noaux_tc", n_shared_experts=r.integer("n_shared_experts", 0))
 
 
 def tiny_config(architecture: str = "llama", dtype: str | torch.dtype = "float32", **overrides: Any) -> ModelConfig:
     """A tiny model of the family for tests and demos: hidden 64, 2 layers, 4 query / 2 KV heads of
-    16, intermediate 128, vocab 128 (Qwen3 ties its embeddings, as its small checkpoints do)."""
+    16, intermediate 128, vocab 128 (Qwen3 ties its embeddings, as its small checkpoints do). Qwen3-MoE:
+    8 experts of intermediate 32, 2 per token, renormalised."""
+    qwen3 = architecture in ("qwen3", "qwen3_moe")
     base = dict(architecture=architecture, vocab_size=128, hidden_size=64, intermediate_size=128,
                 num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6,
-                rope_theta=10000.0, max_position=512, tie_word_embeddings=architecture == "qwen3",
-                qkv_bias=architecture == "qwen2", qk_norm=architecture == "qwen3",
+                rope_theta=10000.0, max_position=512, tie_word_embeddings=qwen3,
+                qkv_bias=architecture == "qwen2", qk_norm=qwen3,
                 dtype=str(dtype_from_name(dtype)).replace("torch.", ""))
+    if architecture == "qwen3_moe":
+        base.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
     base.update(overrides)
     return ModelConfig(**base)

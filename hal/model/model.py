@@ -11,6 +11,12 @@ Weights use vLLM's layout, so a trainer and an engine can hold the very same ten
     model.layers.N.post_attention_layernorm.weight (H,)
     model.layers.N.mlp.gate_up_proj.weight         (2*I, H)              rows [gate | up]
     model.layers.N.mlp.down_proj.weight            (H, I)
+  an MoE layer (Qwen3-MoE; ``config.moe_layer(N)``) has instead, as vLLM's FusedMoE holds them:
+    model.layers.N.mlp.gate.weight                 (E, H)                the router
+    model.layers.N.mlp.gate.e_score_correction_bias (E,) fp32            DeepSeek-style only
+    model.layers.N.mlp.experts.w13_weight          (E, 2*Im, H)          rows [gate | up] per expert
+    model.layers.N.mlp.experts.w2_weight           (E, H, Im)
+    model.layers.N.mlp.shared_experts.*            a dense MLP of n_shared*Im  DeepSeek-style only
     model.norm.weight                              (H,)
     lm_head.weight                                 (V, H)                absent when tied to embed_tokens
 
@@ -86,26 +92,55 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    def __init__(self, c: ModelConfig, dtype, device, intermediate: int | None = None):
+        super().__init__()
+        intermediate = intermediate or c.intermediate_size
+        self.gate_up_proj = Linear(2 * intermediate, c.hidden_size, False, dtype, device)
+        self.down_proj = Linear(c.hidden_size, intermediate, False, dtype, device)
+
+
+class Router(nn.Module):
     def __init__(self, c: ModelConfig, dtype, device):
         super().__init__()
-        self.gate_up_proj = Linear(2 * c.intermediate_size, c.hidden_size, False, dtype, device)
-        self.down_proj = Linear(c.hidden_size, c.intermediate_size, False, dtype, device)
+        self.weight = nn.Parameter(torch.empty(c.num_experts, c.hidden_size, dtype=dtype, device=device))
+        # DeepSeek-V3 keeps its correction bias in fp32 whatever the model dtype.
+        # It steers the choice only and is set by load balancing, not by gradients.
+        self.e_score_correction_bias = nn.Parameter(torch.empty(c.num_experts, dtype=torch.float32, device=device),
+                                                    requires_grad=False) if c.e_score_correction_bias else None
+
+
+class Experts(nn.Module):
+    def __init__(self, c: ModelConfig, dtype, device):
+        super().__init__()
+        e, h, i = c.num_experts, c.hidden_size, c.moe_intermediate_size
+        self.w13_weight = nn.Parameter(torch.empty(e, 2 * i, h, dtype=dtype, device=device))
+        self.w2_weight = nn.Parameter(torch.empty(e, h, i, dtype=dtype, device=device))
+
+
+class MoE(nn.Module):
+    def __init__(self, c: ModelConfig, dtype, device):
+        super().__init__()
+        self.routing = c.routing
+        self.gate = Router(c, dtype, device)
+        self.experts = Experts(c, dtype, device)
+        self.shared_experts = MLP(c, dtype, device, c.n_shared_experts * c.moe_intermediate_size) \
+            if c.n_shared_experts else None
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, c: ModelConfig, dtype, device):
+    def __init__(self, c: ModelConfig, dtype, device, index: int):
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
         self.self_attn = Attention(c, dtype, device)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
-        self.mlp = MLP(c, dtype, device)
+        self.mlp = MoE(c, dtype, device) if c.moe_layer(index) else MLP(c, dtype, device)
 
 
 class Backbone(nn.Module):
     def __init__(self, c: ModelConfig, dtype, device):
         super().__init__()
         self.embed_tokens = Embedding(c.vocab_size, c.hidden_size, dtype, device)
-        self.layers = nn.ModuleList(DecoderLayer(c, dtype, device) for _ in range(c.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(c, dtype, device, i) for i in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
 
 
@@ -134,6 +169,12 @@ class _KernelOps:
     def token_logprobs(self, logits, ids, temperature, *, name=""):
         return self.backend.token_logprobs(logits, ids, temperature)
 
+    def moe_route(self, logits, routing, bias, *, name=""):
+        return self.backend.moe_route(logits, routing, bias)
+
+    def moe_experts(self, x, w13, w2, weights, ids, shared, *, name=""):
+        return self.backend.moe_experts(x, w13, w2, weights, ids, shared)
+
 
 class _AutogradOps(_KernelOps):
     """Training: the same kernel calls, with fp32 reference gradients (``hal.model.autograd``)."""
@@ -152,6 +193,12 @@ class _AutogradOps(_KernelOps):
 
     def token_logprobs(self, logits, ids, temperature, *, name=""):
         return ag.token_logprobs(self.backend, logits, ids, temperature, name=name)
+
+    def moe_route(self, logits, routing, bias, *, name=""):
+        return ag.moe_route(self.backend, logits, routing, bias, name=name)
+
+    def moe_experts(self, x, w13, w2, weights, ids, shared, *, name=""):
+        return ag.moe_experts(self.backend, x, w13, w2, weights, ids, shared, name=name)
 
 
 @dataclass
@@ -175,7 +222,7 @@ class InferenceBatch:
 # ---------------------------------------------------------------------------------------------
 
 class DecoderLM(nn.Module):
-    """A Llama / Qwen2 / Qwen3 decoder LLM on HAL ops (see the module docstring for the layout).
+    """A Llama / Qwen2 / Qwen3 / Qwen3-MoE decoder LLM on HAL ops (see the module docstring for the layout).
 
     ``backend``: the Backend its forwards run on; None means ``hal.api.current()`` at each call, so
     ``with hal.use(...)`` switches it. Weights live on ``device`` (default: the backend's device).
@@ -248,13 +295,13 @@ class DecoderLM(nn.Module):
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight"):
                     values = 1.0 + 0.1 * torch.randn(p.shape, generator=g)
-                elif name.endswith(".bias"):
+                elif name.endswith(".bias") or name.endswith("correction_bias"):
                     values = 0.1 * torch.randn(p.shape, generator=g)
                 elif name in ("model.embed_tokens.weight", "lm_head.weight"):
                     # logits = normed h . row: std ~2 whether the head is tied or not
                     values = torch.randn(p.shape, generator=g) * 2.0 * p.shape[1] ** -0.5
                 else:
-                    values = torch.randn(p.shape, generator=g) * p.shape[1] ** -0.5
+                    values = torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5   # fan-in
                 p.copy_(values.to(p.dtype))
         return model
 
@@ -310,13 +357,10 @@ class DecoderLM(nn.Module):
             h, residual = ops.rms_norm(h, norm.weight, norm.eps, residual, name=p + "post_attention_layernorm")
             record(p + "post_attention_layernorm", h)
             record(p + "post_attention_layernorm.residual", residual)
-            mlp = layer.mlp
-            h = ops.linear(h, mlp.gate_up_proj.weight, name=p + "mlp.gate_up_proj")
-            record(p + "mlp.gate_up_proj", h)
-            h = ops.silu_mul(h, name=p + "mlp.act")
-            record(p + "mlp.act", h)
-            h = ops.linear(h, mlp.down_proj.weight, name=p + "mlp.down_proj")
-            record(p + "mlp.down_proj", h)
+            if isinstance(layer.mlp, MoE):
+                h = self._moe(ops, layer.mlp, h, p + "mlp.", record)
+            else:
+                h = self._mlp(ops, layer.mlp, h, p + "mlp.", record)
 
         if logits_rows is not None and logits_rows.numel() == 0:   # a step of prefill chunks only
             return torch.zeros(0, c.vocab_size, dtype=torch.float32, device=h.device)
@@ -329,6 +373,32 @@ class DecoderLM(nn.Module):
         logits = ops.linear(h, self.lm_head_weight, out_dtype=torch.float32, name="lm_head")
         record("lm_head", logits, row_map)
         return logits
+
+    @staticmethod
+    def _mlp(ops: _KernelOps, mlp: MLP, h: torch.Tensor, p: str, record) -> torch.Tensor:
+        h = ops.linear(h, mlp.gate_up_proj.weight, name=p + "gate_up_proj")
+        record(p + "gate_up_proj", h)
+        h = ops.silu_mul(h, name=p + "act")
+        record(p + "act", h)
+        h = ops.linear(h, mlp.down_proj.weight, name=p + "down_proj")
+        record(p + "down_proj", h)
+        return h
+
+    def _moe(self, ops: _KernelOps, mlp: MoE, h: torch.Tensor, p: str, record) -> torch.Tensor:
+        """[moe]: fp32 router logits, routing, the shared experts (a dense MLP), then the routed experts'
+        combine, which adds the shared output before its one rounding."""
+        logits = ops.linear(h, mlp.gate.weight, out_dtype=torch.float32, name=p + "gate")
+        record(p + "gate", logits)
+        weights, ids = ops.moe_route(logits, mlp.routing, mlp.gate.e_score_correction_bias, name=p + "router")
+        record(p + "router.weights", weights)
+        record(p + "router.ids", ids.float())
+        shared = None
+        if mlp.shared_experts is not None:
+            shared = self._mlp(ops, mlp.shared_experts, h, p + "shared_experts.", record)
+        h = ops.moe_experts(h, mlp.experts.w13_weight, mlp.experts.w2_weight, weights, ids, shared,
+                            name=p + "experts")
+        record(p + "experts", h)
+        return h
 
     # -- inference ------------------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from hal import moe
 from hal.backend import AttentionMetadata, Backend, Probe
 from hal.backends.reference import exact
 from hal.backends.reference.attention import paged_attention
@@ -50,7 +51,7 @@ class ReferenceBackend(Backend):
     name = "reference"
     description = "pure PyTorch, contract-exact and invariant by construction (CPU or any torch device)"
     kind = "cpu"
-    contracts = ("bf16-dense-v1",)
+    contracts = ("bf16-dense-v1", "bf16-moe-v1")
     dtypes = (torch.bfloat16, torch.float32)
 
     @classmethod
@@ -157,6 +158,17 @@ class ReferenceBackend(Backend):
         # A stable descending sort keeps equal values in index order: ties go to the lower index.
         values, indices = torch.sort(x, dim=-1, descending=True, stable=True)
         return values[..., :k], indices[..., :k]
+
+    # -- mixture of experts ([moe], hal/moe.py) ------------------------------------------------
+
+    def moe_route(self, router_logits, routing, correction_bias=None):
+        moe.check_contract(self)
+        return moe.route(router_logits, routing, correction_bias, exp=exp_fp32, div=_fdiv,
+                         row_sum=self.sum, topk=self.topk)
+
+    def moe_experts(self, x, w13, w2, topk_weights, topk_ids, shared=None):
+        moe.check_contract(self)
+        return moe.experts(self, x, w13, w2, topk_weights, topk_ids, shared)
 
 
 __all__ = ["ReferenceBackend", "exact"]

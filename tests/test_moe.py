@@ -1,0 +1,411 @@
+"""Mixture-of-experts under bf16-moe-v1 (``hal/moe.py``): routing, expert GEMMs, combine, training.
+
+Properties, on ``reference`` and on ``cuda`` (its routing kernel under Triton's interpreter):
+routing agrees with an fp64 oracle and breaks ties to the lower expert (and group) index; a token's
+MoE output does not depend on its batch-mates, on where the experts are stored or on how they are
+spread over expert-parallel ranks; a tiny Qwen3-MoE and a DeepSeek-style MoE model give the
+rollout's logprobs bitwise in training. Negative controls (fp32 activations, so a reordered sum is
+visible in the output; no BLAS involved): a planted expert GEMM whose K chunk follows the expert's
+token count, a per-rank partial combine, and the stock torch MoE (combine in expert order).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from conftest import backend_for_tests
+from test_rollout import PACKINGS, SCHEDULES, make_requests
+
+from hal import moe
+from hal.api import create_backend
+from hal.backends.reference import ReferenceBackend
+from hal.backends.reference.exact import matmul_fp32
+from hal.backends.stock import TorchBackend
+from hal.contract import load_contract, parse_contract
+from hal.errors import ContractError, UnsupportedError
+from hal.model import DecoderLM, tiny_config
+from hal.model import autograd as ag
+from hal.model.checkpoint import load_pretrained, save_pretrained
+from hal.model.config import ModelConfig
+from hal.moe import Routing
+from hal.rollout import HarnessConfig, RolloutHarness, recompute_logprobs
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+MOE = load_contract("bf16-moe-v1")
+DENSE = load_contract("bf16-dense-v1")
+REF = ReferenceBackend(MOE)
+# Sizes cross every chunk boundary an MoE layer has: H = 640 and I = 520 both exceed [gemm].k_chunk
+# (512), so both expert GEMMs reduce two K chunks. Under Triton's interpreter (every expert GEMM a
+# few hundred interpreted tiles) the cuda tests cross it in the gate/up GEMM only (H = 576, I = 64);
+# the GEMM kernel's own chunk crossings are tested in test_cuda_interpreter.py.
+T, H, I, E = 12, 640, 520, 8
+CUDA_H, CUDA_I = 576, 64
+
+SCHEMES = {
+    "qwen3": (Routing(E, 2, renormalize=True), False),
+    "softmax-raw": (Routing(E, 3, renormalize=False), False),
+    "deepseek": (Routing(E, 3, scoring="sigmoid", renormalize=True, num_groups=4, topk_groups=2, scaling=2.5), True),
+}
+
+
+@pytest.fixture(scope="module")
+def cuda():
+    backend_for_tests("cuda")          # skips unless the interpreter runs the kernels
+    return create_backend("cuda", MOE)
+
+
+@pytest.fixture(params=["reference", "cuda"])
+def backend(request):
+    return REF if request.param == "reference" else request.getfixturevalue("cuda")
+
+
+def layer_weights(dtype, seed=0, experts=E, hidden=H, inter=I):
+    g = torch.Generator().manual_seed(seed)
+    return dict(router=(torch.randn(experts, hidden, generator=g) * hidden ** -0.5).to(dtype),
+                bias=torch.randn(experts, generator=g) * 0.05,
+                w13=(torch.randn(experts, 2 * inter, hidden, generator=g) * hidden ** -0.5).to(dtype),
+                w2=(torch.randn(experts, hidden, inter, generator=g) * inter ** -0.5).to(dtype))
+
+
+def tokens(dtype, seed=1, count=T, hidden=H):
+    return torch.randn(count, hidden, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def sizes(backend):
+    return (CUDA_H, CUDA_I) if backend.name == "cuda" else (H, I)
+
+
+def moe_layer(backend, x, w, routing, use_bias):
+    logits = backend.linear(x, w["router"], out_dtype=torch.float32)
+    weights, ids = backend.moe_route(logits, routing, w["bias"] if use_bias else None)
+    return backend.moe_experts(x, w["w13"], w["w2"], weights, ids), (weights, ids)
+
+
+# ---------------------------------------------------------------------------------------------
+# The contract
+# ---------------------------------------------------------------------------------------------
+
+def test_moe_contract_adds_moe_to_the_dense_sections_and_leaves_dense_fingerprints_alone():
+    for section in ("gemm", "attention", "rms_norm", "silu_mul", "rope", "logprobs", "reduce", "topk"):
+        assert getattr(MOE, section) == getattr(DENSE, section), section
+    assert MOE.moe is not None and DENSE.moe is None
+    assert "moe" in MOE.to_dict() and "moe" not in DENSE.to_dict()   # an absent section is not hashed
+    assert MOE.fingerprint != DENSE.fingerprint
+    text = (MOE.source and load_contract("bf16-moe-v1").canonical_json())
+    assert '"combine":"fp32_by_rank_round_once"' in text
+    from importlib import resources
+    raw = resources.files("hal.contracts").joinpath("bf16-moe-v1.toml").read_text()
+    with pytest.raises(ContractError, match=r"\[moe\]\.combine"):
+        parse_contract(raw.replace('combine = "fp32_by_rank_round_once"', 'combine = "any_order"'))
+    with pytest.raises(ContractError, match=r"\[moe\]\.tie_break"):
+        parse_contract(raw.replace("[moe]\n", '[moe]\ntie_break = "higher"\n'))
+
+
+def test_a_dense_contract_and_a_backend_without_moe_refuse_moe_layers():
+    dense = ReferenceBackend(DENSE)
+    logits = torch.zeros(2, E)
+    with pytest.raises(UnsupportedError, match=r"no \[moe\] section.*bf16-moe-v1"):
+        dense.moe_route(logits, Routing(E, 2))
+    with pytest.raises(UnsupportedError, match="does not realise mixture-of-experts"):
+        from hal.backend import Backend
+        Backend.moe_route(REF, logits, Routing(E, 2))
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(top_k=9), "top_k must be in 1..num_experts"), (dict(num_groups=3), "must divide"),
+    (dict(num_groups=4, topk_groups=5), "topk_groups"), (dict(num_groups=4, topk_groups=1, top_k=3), "exceeds"),
+    (dict(scoring="tanh"), "scoring"), (dict(num_groups=8, topk_groups=2), ">= 2 experts"),
+])
+def test_impossible_routing_is_refused_with_the_reason(bad, match):
+    with pytest.raises(UnsupportedError, match=match):
+        Routing(**{"num_experts": E, "top_k": 2, **bad})
+
+
+def test_moe_inputs_are_checked(backend):
+    h, i = sizes(backend)
+    x, w = tokens(torch.bfloat16, hidden=h), layer_weights(torch.bfloat16, hidden=h, inter=i)
+    with pytest.raises(UnsupportedError, match="must be fp32"):
+        backend.moe_route(torch.zeros(2, E, dtype=torch.bfloat16), Routing(E, 2))
+    with pytest.raises(UnsupportedError, match="logits per token"):
+        backend.moe_route(torch.zeros(2, E + 1), Routing(E, 2))
+    ids = torch.zeros(T, 2, dtype=torch.int32)
+    with pytest.raises(UnsupportedError, match="shapes do not fit"):
+        backend.moe_experts(x, w["w13"], w["w2"][:, :, :-1], torch.ones(T, 2), ids)
+    with pytest.raises(UnsupportedError, match="expert ids must be in"):
+        backend.moe_experts(x, w["w13"], w["w2"], torch.ones(T, 2), ids + E)
+    empty_w, empty_ids = backend.moe_route(torch.zeros(0, E), Routing(E, 2))
+    assert empty_w.shape == (0, 2) and empty_ids.dtype == torch.int32
+    assert backend.moe_experts(x[:0], w["w13"], w["w2"], empty_w, empty_ids).shape == (0, h)
+
+
+# ---------------------------------------------------------------------------------------------
+# Routing
+# ---------------------------------------------------------------------------------------------
+
+def oracle_route(logits, routing, bias):
+    """fp64 routing; returns (weights, ids, the gap between the k-th and (k+1)-th choice)."""
+    x = logits.double()
+    scores = torch.softmax(x, -1) if routing.scoring == "softmax" else torch.sigmoid(x)
+    choice = scores if bias is None else scores + bias.double()
+    if routing.num_groups > 1:
+        grouped = choice.view(x.shape[0], routing.num_groups, -1)
+        kept = grouped.topk(2, -1).values.sum(-1).topk(routing.topk_groups, -1).indices
+        keep = torch.zeros(grouped.shape[:2], dtype=torch.bool).scatter_(-1, kept, True)
+        choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view_as(x)
+    ranked = choice.topk(routing.top_k + 1, -1)
+    ids = ranked.indices[:, :-1]
+    weights = scores.gather(-1, ids)
+    if routing.renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights * routing.scaling, ids, ranked.values[:, -2] - ranked.values[:, -1]
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_routing_matches_the_fp64_oracle(backend, scheme):
+    routing, use_bias = SCHEMES[scheme]
+    routing = routing.replace(num_experts=64, num_groups=routing.num_groups * 2) if routing.num_groups > 1 \
+        else routing.replace(num_experts=64)
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(40, 64, generator=g) * 2
+    bias = torch.randn(64, generator=g) * 0.05 if use_bias else None
+    weights, ids = backend.moe_route(logits, routing, bias)
+    want_w, want_ids, gap = oracle_route(logits, routing, bias)
+    clear = gap > 1e-5                           # rows without a near-tie at the k-th choice
+    assert clear.sum() >= 30
+    assert torch.equal(ids[clear].long(), want_ids[clear])
+    assert ids.dtype == torch.int32 and weights.dtype == torch.float32
+    rel = ((weights[clear].double() - want_w[clear]).abs() / want_w[clear].abs()).max()
+    assert rel < 2e-6, rel
+
+
+def test_router_ties_go_to_the_lower_expert_and_group_index(backend):
+    logits = torch.zeros(3, E)
+    logits[0, [6, 2, 5]] = 1.0                  # three equal best experts, k = 2: 2 and 5
+    logits[1] = 0.5                              # every expert equal: 0, 1
+    logits[2, [1, 7]] = 2.0                      # groups {0,1},{2,3},{4,5},{6,7}: groups 0 and 3 tie
+    softmax = backend.moe_route(logits, Routing(E, 2))[1]
+    assert softmax[:2].tolist() == [[2, 5], [0, 1]]
+    grouped = Routing(E, 2, scoring="sigmoid", num_groups=4, topk_groups=1)
+    assert backend.moe_route(logits[2:], grouped)[1].tolist() == [[1, 0]]      # group 0 kept, not 3
+    assert backend.moe_route(logits[2:], grouped.replace(topk_groups=2))[1].tolist() == [[1, 7]]
+
+
+# ---------------------------------------------------------------------------------------------
+# Batch composition and expert placement
+# ---------------------------------------------------------------------------------------------
+
+def batch_variants(x):
+    """(rows of the full batch, the same tokens as another batch) pairs: a slice, a reversal, one token."""
+    order = torch.arange(x.shape[0]).flip(0)
+    return [(slice(3, 7), x[3:7]), (order, x[order]), (slice(5, 6), x[5:6])]
+
+
+# (each backend, each scheme, each dtype) on reference; on the interpreted cuda kernels one dtype per
+# scheme (each case there costs ~10 s)
+BATCH_CASES = [("reference", s, d) for s in ("qwen3", "deepseek") for d in (torch.bfloat16, torch.float32)] + \
+    [("cuda", "qwen3", torch.float32), ("cuda", "deepseek", torch.bfloat16)]
+
+
+@pytest.mark.parametrize("backend_name, scheme, dtype", BATCH_CASES)
+def test_a_tokens_moe_output_does_not_depend_on_its_batch_mates(request, backend_name, scheme, dtype):
+    backend = REF if backend_name == "reference" else request.getfixturevalue("cuda")
+    routing, use_bias = SCHEMES[scheme]
+    h, i = sizes(backend)
+    x, w = tokens(dtype, hidden=h), layer_weights(dtype, hidden=h, inter=i)
+    full, (weights, ids) = moe_layer(backend, x, w, routing, use_bias)
+    assert len(ids.unique()) >= 6               # most experts are shared by several tokens
+    for rows, batch in batch_variants(x):
+        out, (sub_w, sub_ids) = moe_layer(backend, batch, w, routing, use_bias)
+        assert torch.equal(sub_ids, ids[rows]) and torch.equal(sub_w, weights[rows])
+        assert torch.equal(out, full[rows])
+
+
+class ExpertLoadDependentBackend(ReferenceBackend):
+    """Negative control: an expert GEMM whose K chunk follows how many tokens the expert got (as a
+    GEMM library's split-K heuristic does), so a token's bits depend on its batch-mates."""
+
+    def moe_experts(self, x, w13, w2, topk_weights, topk_ids, shared=None):
+        t, k = topk_ids.shape
+        outputs = torch.zeros(t * k, x.shape[1])
+        for expert, slots in moe.slots_by_expert(topk_ids, w13.shape[0]):
+            chunk = 128 if len(slots) > 2 else 512
+            rows = x[slots // k]
+
+            def gemm(a, b, out_dtype):
+                acc = sum(matmul_fp32(a[:, s:s + chunk], b[:, s:s + chunk].T) for s in range(0, a.shape[1], chunk))
+                return acc.to(out_dtype)
+
+            act = self.silu_mul(gemm(rows, w13[expert], x.dtype))
+            outputs[slots] = gemm(act, w2[expert], torch.float32)
+        return moe.combine(outputs.view(t, k, -1), topk_weights, shared, x.dtype)
+
+
+def test_negative_control_an_expert_gemm_that_follows_the_expert_load_changes_the_bits():
+    planted = ExpertLoadDependentBackend(MOE)
+    routing, _ = SCHEMES["qwen3"]
+    x, w = tokens(torch.float32), layer_weights(torch.float32)
+    full, _ = moe_layer(planted, x, w, routing, False)
+    changed = [not torch.equal(moe_layer(planted, batch, w, routing, False)[0], full[rows])
+               for rows, batch in batch_variants(x)]
+    assert any(changed)
+
+
+def place(w, ids, placement):
+    """The same experts stored in other slots: expert e lives at slot placement[e]."""
+    slots = torch.empty_like(placement)
+    slots[placement] = torch.arange(len(placement))
+    return w["w13"][slots], w["w2"][slots], placement[ids.long()].to(ids.dtype)
+
+
+def expert_parallel(backend, x, w13, w2, weights, ids, ranks):
+    """Expert parallelism on one device: rank r owns experts e with e % ranks == r and computes only
+    their slots; each slot's output comes back to its token (the all-to-all), which combines."""
+    outputs = torch.zeros(*ids.shape, x.shape[1])   # (T, k, H) fp32
+    for r in range(ranks):
+        mine = [e for e in range(w13.shape[0]) if e % ranks == r]
+        computed = moe.expert_outputs(backend, x, w13, w2, ids, experts=mine)
+        owned = torch.isin(ids, torch.tensor(mine, dtype=ids.dtype))
+        outputs[owned] = computed[owned]
+    return moe.combine(outputs, weights, None, x.dtype), outputs
+
+
+@pytest.mark.parametrize("backend_name, dtype", [("reference", torch.bfloat16), ("reference", torch.float32),
+                                                 ("cuda", torch.bfloat16)])
+def test_expert_placement_and_expert_parallel_ranks_do_not_change_the_bits(request, backend_name, dtype):
+    backend = REF if backend_name == "reference" else request.getfixturevalue("cuda")
+    routing = Routing(E, 4, renormalize=True)
+    h, i = sizes(backend)
+    x, w = tokens(dtype, hidden=h), layer_weights(dtype, hidden=h, inter=i)
+    full, (weights, ids) = moe_layer(backend, x, w, routing, False)
+    placement = torch.randperm(E, generator=torch.Generator().manual_seed(5))
+    w13, w2, placed_ids = place(w, ids, placement)
+    assert torch.equal(backend.moe_experts(x, w13, w2, weights, placed_ids), full)
+    for ranks in (2, 3):
+        out, _ = expert_parallel(backend, x, w["w13"], w["w2"], weights, ids, ranks)
+        assert torch.equal(out, full)
+
+
+def test_negative_controls_per_rank_partial_sums_and_the_stock_moe_change_the_bits():
+    routing = Routing(E, 4, renormalize=True)
+    x, w = tokens(torch.float32), layer_weights(torch.float32)
+    full, (weights, ids) = moe_layer(REF, x, w, routing, False)
+    _, outputs = expert_parallel(REF, x, w["w13"], w["w2"], weights, ids, 2)
+    # a naive expert-parallel combine: each rank adds its own experts' weighted outputs, then the
+    # ranks' partial sums are added (an all-reduce) -- not each token's rank order
+    partial = []
+    for r in range(2):
+        mine = (ids % 2 == r).unsqueeze(-1)
+        partial.append(moe.combine(outputs * mine, weights * mine.squeeze(-1), None, torch.float32))
+    assert not torch.equal(partial[0] + partial[1], full)
+    # the stock torch MoE adds outputs in expert order, so moving the experts moves its bits
+    stock = TorchBackend(None, "cpu")
+    stock_weights, stock_ids = stock.moe_route(REF.linear(x, w["router"], out_dtype=torch.float32), routing)
+    stock_out = stock.moe_experts(x, w["w13"], w["w2"], stock_weights, stock_ids)
+    w13, w2, placed_ids = place(w, stock_ids, torch.arange(E).flip(0))
+    assert not torch.equal(stock.moe_experts(x, w13, w2, stock_weights, placed_ids), stock_out)
+
+
+# ---------------------------------------------------------------------------------------------
+# The model: training equals rollout, gradients, checkpoints
+# ---------------------------------------------------------------------------------------------
+
+MODELS = {
+    "qwen3_moe": dict(),
+    # DeepSeek-style block: sigmoid scores, a correction bias, 4 groups of 2 keeping 2, scaled
+    # weights, a shared expert; layer 1 keeps a dense MLP
+    "deepseek_style": dict(scoring_func="sigmoid", e_score_correction_bias=True, n_group=4, topk_group=2,
+                           num_experts_per_tok=3, routed_scaling_factor=2.5, n_shared_experts=1,
+                           moe_dense_layers=(1,)),
+}
+
+
+def rollout_and_train(backend, dtype, extra, schedules=SCHEDULES, packings=PACKINGS, requests=None):
+    if backend.name == "cuda":
+        extra = {**extra, "head_dim": 64}    # the attention kernel's head dims: 64, 128
+    model = DecoderLM.random(tiny_config("qwen3_moe", dtype, **extra), seed=11, backend=backend)
+    requests = requests or make_requests(seed=9)
+    runs = [RolloutHarness(model, cfg).generate(requests) for cfg in schedules]
+    with torch.no_grad():
+        trains = [recompute_logprobs(model, runs[0], **packing) for packing in packings]
+    return runs, trains
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("variant", MODELS)
+def test_moe_model_training_logprobs_equal_rollout_logprobs_bitwise(variant, dtype):
+    runs, trains = rollout_and_train(REF, dtype, MODELS[variant])
+    first = runs[0]
+    assert sum(len(c.tokens) for c in first) >= 40
+    for run in runs[1:]:
+        for a, b in zip(first, run):
+            assert a.tokens == b.tokens and torch.equal(a.logprobs, b.logprobs)
+    for train in trains:
+        for c, lp in zip(first, train):
+            assert torch.equal(lp, c.logprobs), f"request {c.request}: train {lp} vs rollout {c.logprobs}"
+
+
+def test_moe_model_on_the_cuda_kernels_training_equals_rollout(cuda):
+    # one schedule that cuts prefills into chunks and mixes phases, one training packing
+    requests = [dataclasses.replace(r, max_new_tokens=6) for r in make_requests(seed=4, count=2)]
+    schedule = dataclasses.replace(SCHEDULES[2], preempt_prob=0.0)
+    runs, trains = rollout_and_train(cuda, "bfloat16", MODELS["deepseek_style"], [schedule], PACKINGS[1:], requests)
+    assert sum(len(c.tokens) for c in runs[0]) >= 12
+    for c, lp in zip(runs[0], trains[0]):
+        assert torch.equal(lp, c.logprobs)
+
+
+def test_moe_gradients_match_fp64_autograd():
+    routing = Routing(E, 3, renormalize=True, scaling=1.5)
+    x, w = tokens(torch.float32, count=6, hidden=48), layer_weights(torch.float32, experts=E, hidden=48, inter=24)
+    leaves = {name: t.clone().requires_grad_(name != "bias") for name, t in {"x": x, **w}.items()}
+    logits = ag.linear(REF, leaves["x"], leaves["router"], out_dtype=torch.float32)
+    weights, ids = ag.moe_route(REF, logits, routing, None)
+    out = ag.moe_experts(REF, leaves["x"], leaves["w13"], leaves["w2"], weights, ids, None)
+    probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(8))
+    (out * probe).sum().backward()
+    # the same function in fp64 with the same expert choice
+    d = {name: t.detach().double().requires_grad_(name != "bias") for name, t in {"x": x, **w}.items()}
+    scores = torch.softmax(d["x"] @ d["router"].T, -1).gather(-1, ids.long())
+    scores = scores / scores.sum(-1, keepdim=True) * 1.5
+    ref = torch.zeros(6, 48, dtype=torch.float64)
+    for t in range(6):
+        for r in range(3):
+            e = int(ids[t, r])
+            gate, up = (d["w13"][e] @ d["x"][t]).chunk(2)
+            ref = ref.index_add(0, torch.tensor([t]), (scores[t, r] * (d["w2"][e] @ (torch.nn.functional.silu(gate) * up)))[None])
+    (ref * probe.double()).sum().backward()
+    for name in ("x", "router", "w13", "w2"):
+        got, want = leaves[name].grad.double(), d[name].grad
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max() + 1e-12, name
+    assert leaves["router"].grad.abs().sum() > 0
+
+
+def test_qwen3_moe_checkpoints_round_trip_with_hf_expert_names(tmp_path):
+    config = tiny_config("qwen3_moe", "bfloat16", **MODELS["deepseek_style"])
+    model = DecoderLM.random(config, seed=2, backend=REF)
+    save_pretrained(model, tmp_path)
+    import safetensors.torch
+    names = set(safetensors.torch.load_file(str(tmp_path / "model.safetensors")))
+    assert {"model.layers.0.mlp.experts.7.down_proj.weight", "model.layers.0.mlp.gate.e_score_correction_bias",
+            "model.layers.0.mlp.shared_experts.up_proj.weight", "model.layers.1.mlp.gate_proj.weight"} <= names
+    loaded = load_pretrained(tmp_path, backend=REF)
+    assert loaded.config == config
+    for (name, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+def test_qwen3_moe_config_reads_hf_keys_and_refuses_what_it_cannot_honour():
+    hf = tiny_config("qwen3_moe", "bfloat16").to_hf()
+    hf.update(num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[3])
+    config = ModelConfig.from_hf(hf)
+    assert [config.moe_layer(i) for i in range(4)] == [False, True, False, False]
+    assert config.routing == Routing(8, 2, renormalize=True)
+    with pytest.raises(UnsupportedError, match="top_k must be in"):
+        ModelConfig.from_hf({**hf, "num_experts_per_tok": 9})
+    with pytest.raises(UnsupportedError, match="topk_method"):
+        ModelConfig.from_hf({**hf, "topk_method": "group_limited_greedy"})
+    with pytest.raises(UnsupportedError, match="needs architecture 'qwen3_moe'"):
+        tiny_config("qwen3", num_experts=4)
