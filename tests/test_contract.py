@@ -80,7 +80,7 @@ def test_contract_file_by_path_and_name_mismatch(tmp_path):
 
 
 def test_unknown_contract_lists_the_shipped_ones():
-    with pytest.raises(UnknownContractError, match="shipped contracts: bf16-dense-v1"):
+    with pytest.raises(UnknownContractError, match="shipped contracts: .*bf16-dense-v1"):
         load_contract("fp8-everything")
     with pytest.raises(UnknownContractError, match="cannot read contract file"):
         load_contract("/nonexistent/contract.toml")
