@@ -545,3 +545,22 @@ def test_ascend_row_ops_are_batch_invariant_under_the_interpreter(emulated):
     for name in ("rms_norm", "rms_norm+residual", "silu_mul", "rotary", "log_softmax", "log_softmax T=0.7",
                  "token_logprobs", "sum", "mean", "topk"):
         assert row_invariance(name, fns[name], rows, [1, 5, 24], g, distinct=24) == [], name
+
+
+def test_the_npu_smoke_script_calls_every_op_once_and_reads_back_every_setting():
+    """The wiring of ``python -m hal.backends.ascend.smoke`` on stand-ins (its NPU run is not done)."""
+    from hal.backends.ascend import smoke
+
+    lines = []
+    npu_rms_norm = lambda x, gamma, epsilon=1e-6: (x, x)  # noqa: E731
+    ok = smoke.run(_RecordingOps(), types.SimpleNamespace(npu_rms_norm=npu_rms_norm), fake_surface(), "cpu",
+                   out=lines.append)
+    text = "\n".join(lines)
+    assert ok, text
+    for name in ("npu_mm_batch_invariant", "npu_reduce_sum_batch_invariant", "npu_rms_norm", FIA):
+        assert f"== {name}" in text, name
+    assert text.count("called once: ok") == 4
+    for key in settings.expected():
+        assert f"== setting {key}" in text, key
+    assert not smoke.run(_RecordingOps(), types.SimpleNamespace(npu_rms_norm=npu_rms_norm),
+                         fake_surface(sticky=False), "cpu", out=lines.append)  # control: a bad setting fails it
