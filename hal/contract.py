@@ -121,8 +121,11 @@ class Gemm:
 @dataclass(frozen=True)
 class Attention:
     score_dtype: str = _choice("float32", doc="q.k is accumulated and rounded to this dtype")
-    scale: str = _choice("folded_log2e", doc="s = fl32(score * fl32(scale * log2(e))); probabilities use exp2")
-    exp: str = _choice("exp2", doc="p = exp2(s - m)")
+    scale: str = _choice("folded_log2e", "multiply",
+                         doc="folded_log2e: s = fl32(score * fl32(scale * log2(e))), with exp2; multiply: "
+                             "s = fl32(score * fl32(scale)), with exp (what Ascend's native attention kernels do)")
+    exp: str = _choice("exp2", "exp", doc="p = exp2(s - m) (scale = folded_log2e) or exp(s - m) (scale = multiply); "
+                                          "alpha and the split merge use the same function")
     kv_chunk: int = _int(_power_of_two, "a power of two",
                          "online softmax over KV chunks at absolute key positions 0, C, 2C, ...")
     kv_split: int = _int(lambda v: v >= 0, "0 (no split) or a multiple of kv_chunk",
@@ -136,7 +139,10 @@ class Attention:
                         "NaN); only a visible key's non-finite K or V makes an output non-finite (which "
                         "non-finite value is implementation-defined)")
     p_dtype: str = _choice("activation", doc="P is rounded to the activation dtype before P@V")
-    row_sum: str = _choice("sum_of_rounded_p", doc="the softmax denominator sums the same rounded P that multiplies V")
+    row_sum: str = _choice("sum_of_rounded_p", "sum_of_fp32_p",
+                           doc="sum_of_rounded_p: the softmax denominator sums the same rounded P that multiplies V; "
+                               "sum_of_fp32_p: it sums the fp32 P before the rounding (as Ascend's native kernels "
+                               "do), in an order fixed per backend and chunk width")
     online_update: str = _choice("rescale_then_add", doc="alpha=exp2(m_old-m_new); l=fl(fl(l*alpha)+rowsum); "
                                                          "acc=fl(fl(acc*alpha)+pv)")
     output: str = _choice("divide_rn_then_round", doc="out = round(fl32(acc / l)) to the activation dtype")
@@ -156,6 +162,13 @@ class Attention:
         """How many KV splits a context of ``context`` keys has (at least one)."""
         return max(1, -(-context // self.split_size(context)))
 
+    def score_factor(self, scale: float) -> float:
+        """The fp32 factor every score is multiplied by: ``folded_scale`` for scale = "folded_log2e",
+        fl32(scale) for scale = "multiply" (returned as the Python float holding that fp32 value)."""
+        if self.scale == "multiply":
+            return struct.unpack("<f", struct.pack("<f", scale))[0]
+        return self.folded_scale(scale)
+
     def folded_scale(self, scale: float) -> float:
         """The factor every score is multiplied by ([attention].scale = "folded_log2e"):
         fl32(scale * log2 e), computed as scale / ln 2 in fp64 and rounded once to fp32 (nearest
@@ -171,7 +184,10 @@ class RmsNorm:
     row_block: int = _int(_positive_multiple_of(16), "a positive multiple of 16",
                           "the sum of squares is reduced in blocks of row_block at absolute offsets, "
                           "block sums added in ascending order")
-    inv_rms: str = _choice("div_rn_sqrt_rn", doc="inv = fl32(1 / sqrt_rn(fl32(fl32(ss / n) + eps)))")
+    inv_rms: str = _choice("div_rn_sqrt_rn", "mul_reciprocal_div_rn_sqrt_rn",
+                           doc="div_rn_sqrt_rn: inv = fl32(1 / sqrt_rn(fl32(fl32(ss / n) + eps))); "
+                               "mul_reciprocal_div_rn_sqrt_rn: the mean is fl32(ss * fl32(1 / n)) (as "
+                               "torch_npu.npu_rms_norm computes it), then the same")
     weight_multiply: str = _choice("fp32_round_once", doc="out = round_act(fl32(fl32(x * inv) * w))")
 
 
@@ -356,6 +372,11 @@ def _validate_section(source: str, section: str, cls: type, raw: Any) -> Any:
 def _check_combinations(source: str, c: Contract) -> None:
     """Values that are fine alone but impossible together."""
     a = c.attention
+    # The exp goes with its scale: exp2 needs log2(e) folded into the scale, exp must not have it.
+    if (a.scale == "folded_log2e") != (a.exp == "exp2"):
+        raise ContractError(source, "[attention].exp", a.exp,
+                            "'exp2' with scale = 'folded_log2e', 'exp' with scale = 'multiply' "
+                            f"(scale is {a.scale!r})")
     if a.kv_split and a.kv_split % a.kv_chunk:
         raise ContractError(source, "[attention].kv_split", a.kv_split,
                             f"0 or a multiple of [attention].kv_chunk ({a.kv_chunk})")

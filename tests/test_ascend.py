@@ -1,5 +1,6 @@
-"""The ascend backend without an NPU: probe reasons, the contract -> NPU-argument mapping, the
-settings applied and read back, the cann path's host-side logic with stand-in ops, and the
+"""The ascend backend without an NPU: probe reasons, the contract -> NPU-argument mapping, every NPU
+call checked against the vendored op schemas (api_facts.toml), the settings applied and read back
+(and refused when set too late), the cann path's host-side logic with stand-in ops, and the
 triton-ascend tile configurations run by Triton's CPU interpreter.
 
 Nothing here proves anything about NPU hardware (none is reachable): the probe, mapping and
@@ -18,11 +19,13 @@ import types
 import pytest
 import torch
 
-from hal.backends.ascend import AscendBackend, mapping, probe, settings, tiles
+from hal.backends.ascend import AscendBackend, api_facts, mapping, probe, settings, tiles
 from hal.contract import load_contract
-from hal.errors import UnsupportedError
+from hal.errors import HalError, UnsupportedError
 
-CONTRACT = load_contract("bf16-dense-v1")
+CONTRACT = load_contract("bf16-dense-v1")    # the triton path's emulation runs it
+ASCEND = load_contract("bf16-ascend-v1")     # the cann path realises this one
+FIA = "npu_fused_infer_attention_score_batch_invariant"
 
 
 def replace(contract, section, **values):
@@ -35,7 +38,7 @@ def replace(contract, section, **values):
 
 def test_importing_the_backend_is_cheap():
     code = ("import sys, hal.backends.ascend as a; a.AscendBackend\n"
-            "print(sorted(m for m in ('torch_npu', 'triton', 'batch_invariant_ops', 'flash_attn_npu_v3') "
+            "print(sorted(m for m in ('torch_npu', 'triton', 'batch_invariant_ops', 'flash_attn_npu_3') "
             "if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
@@ -47,9 +50,10 @@ def test_probe_here_is_unavailable_and_says_what_is_missing(monkeypatch):
     p = AscendBackend.probe()
     assert not p.available
     assert p.reason.startswith("torch_npu is not importable")
-    assert p.details["path"] == "cann" and p.details["verified_on_hardware"] is False
+    assert p.details["path"] == "cann" and p.details["attention_impl"] == "fia_batch_invariant"
+    assert p.details["verified_on_hardware"] is False
     text = " | ".join(p.details["missing"])
-    for piece in ("torch_npu", "CANN toolkit", "batch-invariant op package", "flash-attention-npu", "NPU device"):
+    for piece in ("torch_npu", "CANN toolkit", "batch-invariant op package", "NPU device"):
         assert piece in text, piece
 
 
@@ -64,9 +68,9 @@ def stack(monkeypatch):
     """A fake, complete Ascend stack; tests remove one piece at a time."""
     npu = types.SimpleNamespace(is_available=lambda: True, device_count=lambda: 2)
     mods = {
-        "torch_npu": _module("torch_npu", __version__="2.6.0.fake", npu=npu),
+        "torch_npu": _module("torch_npu", __version__="2.9.0.fake", npu=npu),
         "batch_invariant_ops": _module("batch_invariant_ops"),
-        "flash_attn_npu_v3": _module("flash_attn_npu_v3", flash_attn_with_kvcache=lambda *a, **k: None),
+        "flash_attn_npu_3": _module("flash_attn_npu_3", flash_attn_with_kvcache=lambda *a, **k: None),
         "triton.backends.ascend": _module("triton.backends.ascend"),
     }
     for name, mod in mods.items():
@@ -82,12 +86,8 @@ def stack(monkeypatch):
 def test_probe_with_every_piece_present_is_available_and_reports_the_path(stack):
     p = AscendBackend.probe()
     assert p.available, p.reason
-    assert p.details["path"] == "cann" and p.details["attention_impl"] == "flash_attn_npu_v3"
+    assert p.details["path"] == "cann" and p.details["attention_impl"] == "fia_batch_invariant"
     assert p.details["devices"] == 2 and p.details["verified_on_hardware"] is False
-    stack.monkeypatch.setenv("HAL_ASCEND_PATH", "triton")
-    stack.monkeypatch.setitem(sys.modules, "batch_invariant_ops", None)  # not needed by the triton path
-    p = AscendBackend.probe()
-    assert p.available and p.details["path"] == "triton" and "triton.backends.ascend" in p.details["triton"]
 
 
 @pytest.mark.parametrize("remove, expected", [
@@ -95,7 +95,7 @@ def test_probe_with_every_piece_present_is_available_and_reports_the_path(stack)
     ("cann_env", "the CANN toolkit environment is not set"),
     ("batch_invariant_ops", "the CANN batch-invariant op package is not importable"),
     ("op:npu_mm_batch_invariant", "lacks torch.ops.batch_invariant_ops.npu_mm_batch_invariant"),
-    ("flash_attn_npu_v3", "flash-attention-npu is not importable"),
+    ("op:" + FIA, "lacks torch.ops.batch_invariant_ops." + FIA),
     ("device", "no NPU device is visible"),
 ])
 def test_probe_names_the_one_missing_piece(stack, remove, expected):
@@ -114,20 +114,72 @@ def test_probe_names_the_one_missing_piece(stack, remove, expected):
     assert p.details["missing"][0].startswith(expected) or expected in p.reason
 
 
-def test_probe_follows_the_chosen_path_and_attention_kernel(stack):
-    stack.monkeypatch.setenv("HAL_ASCEND_ATTENTION", "fia_batch_invariant")
-    stack.monkeypatch.setitem(sys.modules, "flash_attn_npu_v3", None)
-    assert AscendBackend.probe().available  # flash-attention-npu is not needed for FIA
-    stack.registered.discard(probe.FIA_OP)
-    assert probe.FIA_OP in AscendBackend.probe().reason
-    stack.monkeypatch.setenv("HAL_ASCEND_PATH", "triton")
-    stack.monkeypatch.setitem(sys.modules, "triton.backends.ascend", None)
-    stack.monkeypatch.setitem(sys.modules, "triton.backends.cann", None)
+def test_flash_attention_npu_is_looked_up_under_its_new_name_and_refused(stack):
+    """Finding 2: the module is flash_attn_npu_3; it realises no shipped contract (512-key steps)."""
+    assert probe.FLASH_MODULE == "flash_attn_npu_3" == api_facts.flash_module()["old_name"].replace("_v3", "_3")
+    stack.monkeypatch.setenv("HAL_ASCEND_ATTENTION", "flash_attn_npu_3")
     p = AscendBackend.probe()
-    assert not p.available and "is not triton-ascend" in p.reason and "batch-invariant" not in p.reason
+    assert not p.available and "512 keys" in p.reason and p.details["flash_attn_npu_3"] == "present"
+    with pytest.raises(UnsupportedError, match="512 keys"):
+        mapping.attention_args(ASCEND, "flash_attn_npu_3", num_q_heads=8, num_kv_heads=2, head_dim=128,
+                               scale=0.1, max_seq_len=100)
+    with pytest.raises(UnsupportedError, match="HAL_ASCEND_ATTENTION"):
+        probe.resolve_attention_impl("flash_attn_npu_v3")  # the old name is not accepted silently
+
+
+def test_the_triton_path_is_refused_on_an_npu_with_the_reasons(stack):
+    """Finding 6: triton-ascend cannot keep the kernels' rounding; only the CPU emulation runs."""
+    stack.monkeypatch.setenv("HAL_ASCEND_PATH", "triton")
+    stack.monkeypatch.setitem(sys.modules, "batch_invariant_ops", None)  # not needed by the triton path
+    p = AscendBackend.probe()
+    assert not p.available and "triton.backends.ascend" in p.details["triton"]
+    for reason in ("enable_fp_fusion", "tl.div_rn", "uint32 bitcast", "TensorDescriptor"):
+        assert reason in p.reason, reason
+    with pytest.raises(UnsupportedError, match="tl.div_rn and tl.sqrt_rn"):
+        AscendBackend(CONTRACT, None, path="triton", settings_surface=fake_surface())
     stack.monkeypatch.setenv("HAL_ASCEND_PATH", "cuda")
     p = AscendBackend.probe()
     assert not p.available and "HAL_ASCEND_PATH" in p.reason
+
+
+# ---------------------------------------------------------------------------------------------
+# The vendored API facts and the signature checks
+# ---------------------------------------------------------------------------------------------
+
+def test_every_vendored_fact_names_its_source_and_version():
+    f = api_facts.facts()
+    entries = [*f["op"].values(), *f["setting"].values(), *f["module"].values(), f["triton_ascend"]]
+    for entry in entries:
+        assert entry["source"] and entry["version"] and isinstance(entry["confirmed"], bool), entry
+    for name in f["op"]:
+        entry = api_facts.op(name)
+        assert "positional" in entry and "keywords" in entry, name
+
+
+def test_the_signature_check_rejects_what_the_ops_would_reject():
+    q = torch.zeros(2, 2, 4, 64)   # BSND, S = 2
+    ok = dict(block_table=torch.zeros(2, 1), block_size=128, input_layout="BSND", num_heads=4,
+              num_key_value_heads=4, scale=0.1, sparse_mode=3, inner_precise=0)
+    api_facts.check_call(FIA, (q, q, q), ok)
+    with pytest.raises(api_facts.ApiMismatch, match="'scale_value'.*'scale'"):             # finding 1
+        api_facts.check_call(FIA, (q, q, q), {**{k: v for k, v in ok.items() if k != "scale"}, "scale_value": 0.1})
+    with pytest.raises(api_facts.ApiMismatch, match="block_size in \\[128, 256, 384, 512\\]"):  # finding 1
+        api_facts.check_call(FIA, (q, q, q), {**ok, "block_size": 64})
+    api_facts.check_call(FIA, (q[:, :1], q, q), {**ok, "block_size": 64})  # S = 1 (IFA): the rule is for S > 1
+    with pytest.raises(api_facts.ApiMismatch, match="no keyword 'num_splits'"):
+        api_facts.check_call(FIA, (q, q, q), {**ok, "num_splits": 1})
+    with pytest.raises(api_facts.ApiMismatch, match="sparse_mode=7"):
+        api_facts.check_call(FIA, (q, q, q), {**ok, "sparse_mode": 7})
+    with pytest.raises(api_facts.ApiMismatch, match="positional"):
+        api_facts.check_call("npu_mm_batch_invariant", (q,), {})
+    with pytest.raises(api_facts.ApiMismatch, match="not in api_facts.toml"):
+        api_facts.check_call("npu_swiglu", (q,), {})
+
+
+def test_inner_precise_is_documented_as_pinning_nothing_for_bf16():
+    notes = api_facts.op("npu_fused_infer_attention_score")["notes"]
+    assert "bfloat16 does not distinguish" in notes["inner_precise"]
+    assert not any("inner_precise" in a for a in mapping.ATTENTION_ASSUMPTIONS)  # never claimed to pin anything
 
 
 # ---------------------------------------------------------------------------------------------
@@ -135,78 +187,79 @@ def test_probe_follows_the_chosen_path_and_attention_kernel(stack):
 # ---------------------------------------------------------------------------------------------
 
 def test_gemm_mapping_pins_every_knob_and_follows_k_chunk():
-    args = mapping.gemm_args(CONTRACT)
+    args = mapping.gemm_args(ASCEND)
     assert (args.op, args.k_chunk, args.operand_dtype, args.allow_hf32, args.weight_format) == (
         "torch.ops.batch_invariant_ops.npu_mm_batch_invariant", 512, "float32", False, "ND")
-    other = mapping.gemm_args(replace(CONTRACT, "gemm", k_chunk=256))
+    other = mapping.gemm_args(replace(ASCEND, "gemm", k_chunk=256))
     assert other.k_chunk == 256 and other != args
     with pytest.raises(UnsupportedError, match="k_chunk"):
-        mapping.gemm_args(replace(CONTRACT, "gemm", k_chunk=100))
+        mapping.gemm_args(replace(ASCEND, "gemm", k_chunk=100))
     with pytest.raises(UnsupportedError, match=r"\[gemm\].bias"):
-        mapping.gemm_args(replace(CONTRACT, "gemm", bias="after_rounding"))
+        mapping.gemm_args(replace(ASCEND, "gemm", bias="after_rounding"))
 
 
 def test_attention_mapping_pins_every_knob_of_the_fused_inference_attention():
-    args = mapping.attention_args(CONTRACT, "fia_batch_invariant", num_q_heads=32, num_kv_heads=8, head_dim=128,
-                                  scale=0.125, max_seq_len=512)
-    assert args["op"].endswith("npu_fused_infer_attention_score_batch_invariant")
-    pinned = {k: args[k] for k in ("input_layout", "sparse_mode", "inner_precise", "block_size", "num_heads",
-                                   "num_key_value_heads", "scale_value", "pre_tokens", "next_tokens",
+    args = mapping.attention_args(ASCEND, "fia_batch_invariant", num_q_heads=32, num_kv_heads=8, head_dim=128,
+                                  scale=0.125, max_seq_len=2048)
+    assert args["op"].endswith(FIA)
+    pinned = {k: args[k] for k in ("input_layout", "min_query_s", "sparse_mode", "inner_precise", "block_size",
+                                   "num_heads", "num_key_value_heads", "scale", "pre_tokens", "next_tokens",
                                    "softmax_lse_flag")}
-    assert pinned == dict(input_layout="TND", sparse_mode=3, inner_precise=0, block_size=64, num_heads=32,
-                          num_key_value_heads=8, scale_value=0.125, pre_tokens=2 ** 31 - 1, next_tokens=0,
+    assert pinned == dict(input_layout="BSND", min_query_s=2, sparse_mode=3, inner_precise=0, block_size=128,
+                          num_heads=32, num_key_value_heads=8, scale=0.125, pre_tokens=2 ** 31 - 1, next_tokens=0,
                           softmax_lse_flag=False)
     assert args["assumptions"], "what the arguments cannot pin must be listed"
-    # kv_chunk reaches block_size; a block size the kernel lacks is refused.
-    assert mapping.attention_args(replace(CONTRACT, "attention", kv_chunk=128, kv_split=512), "fia_batch_invariant",
+    assert mapping.attention_args(replace(ASCEND, "attention", kv_chunk=256), "fia_batch_invariant",
                                   num_q_heads=32, num_kv_heads=8, head_dim=128, scale=0.125,
-                                  max_seq_len=100)["block_size"] == 128
-    with pytest.raises(UnsupportedError, match="block_size"):
-        mapping.attention_args(replace(CONTRACT, "attention", kv_chunk=1024, kv_split=0), "fia_batch_invariant",
-                               num_q_heads=4, num_kv_heads=4, head_dim=64, scale=0.125, max_seq_len=100)
-
-
-def test_attention_mapping_for_flash_attention_npu_and_the_split_rule():
-    kw = dict(num_q_heads=8, num_kv_heads=2, head_dim=64, scale=0.125)
-    # flash-attention-npu's KV block is 128 keys: kv_chunk 64 cannot be realised.
-    with pytest.raises(UnsupportedError, match="kv_chunk = 64"):
-        mapping.attention_args(CONTRACT, "flash_attn_npu_v3", max_seq_len=100, **kw)
-    c128 = replace(CONTRACT, "attention", kv_chunk=128, kv_split=512)
-    args = mapping.attention_args(c128, "flash_attn_npu_v3", max_seq_len=512, **kw)
-    assert (args["num_splits"], args["pack_gqa"], args["page_block_size"], args["causal"], args["softmax_scale"],
-            args["num_heads"], args["num_kv_heads"], args["window_size"]) == (1, False, 128, True, 0.125, 8, 2, (-1, -1))
-    # One split (num_splits=1) realises kv_split only while the context fits in one split.
+                                  max_seq_len=100)["block_size"] == 256
+    # finding 1: a KV chunk that is no paged block size (64, 1024) is refused, never passed as block_size
+    for chunk, split in ((64, 512), (1024, 2048)):
+        with pytest.raises(UnsupportedError, match="block_size must be one of"):
+            mapping.attention_args(replace(ASCEND, "attention", kv_chunk=chunk, kv_split=split),
+                                   "fia_batch_invariant", num_q_heads=4, num_kv_heads=4, head_dim=64, scale=0.125,
+                                   max_seq_len=100)
     with pytest.raises(UnsupportedError, match="kv_split"):
-        mapping.attention_args(c128, "flash_attn_npu_v3", max_seq_len=513, **kw)
-    no_split = replace(CONTRACT, "attention", kv_chunk=128, kv_split=0)
-    assert mapping.attention_args(no_split, "flash_attn_npu_v3", max_seq_len=100_000, **kw)["num_splits"] == 1
+        mapping.attention_args(ASCEND, "fia_batch_invariant", num_q_heads=4, num_kv_heads=4, head_dim=64,
+                               scale=0.125, max_seq_len=2049)
     with pytest.raises(UnsupportedError, match="head dim"):
-        mapping.attention_args(c128, "flash_attn_npu_v3", max_seq_len=10, **dict(kw, head_dim=96))
-    with pytest.raises(UnsupportedError, match="multiple"):
-        mapping.attention_args(c128, "flash_attn_npu_v3", max_seq_len=10, **dict(kw, num_kv_heads=3))
+        mapping.attention_args(ASCEND, "fia_batch_invariant", num_q_heads=4, num_kv_heads=4, head_dim=96,
+                               scale=0.125, max_seq_len=10)
+
+
+def test_the_dense_contract_is_refused_with_the_native_rule_named():
+    """Findings 2 and 4: the native kernels use exp, sum fp32 P and npu_rms_norm's mean is sum x fl(1/n)."""
+    with pytest.raises(UnsupportedError, match="natural exp|multiplies the scores"):
+        mapping.check_contract(CONTRACT)
+    with pytest.raises(UnsupportedError, match="sums the fp32 probabilities"):
+        mapping.check_known(replace(ASCEND, "attention", row_sum="sum_of_rounded_p"), "attention")
+    with pytest.raises(UnsupportedError, match=r"sum x fl\(1/n\)"):
+        mapping.rms_norm_args(replace(ASCEND, "rms_norm", inv_rms="div_rn_sqrt_rn"), 4096, 1e-6)
+    assert AscendBackend.capabilities.contracts == ("bf16-ascend-v1",)
+    with pytest.raises(HalError, match="bf16-ascend-v1"):
+        AscendBackend.check_realises(CONTRACT, AscendBackend.capabilities)
 
 
 @pytest.mark.parametrize("section, key, value", [
-    ("attention", "exp", "exp"), ("attention", "gqa", "interleaved"), ("rms_norm", "inv_rms", "rsqrt"),
+    ("attention", "exp", "exp2"), ("attention", "gqa", "interleaved"), ("rms_norm", "inv_rms", "rsqrt"),
     ("silu_mul", "exp", "exp2"), ("logprobs", "temperature", "multiply"), ("topk", "ties", "any"),
 ])
 def test_an_unknown_contract_value_is_refused_never_ignored(section, key, value):
     with pytest.raises(UnsupportedError, match=rf"\[{section}\]\.{key}"):
-        mapping.check_contract(replace(CONTRACT, section, **{key: value}))
+        mapping.check_contract(replace(ASCEND, section, **{key: value}))
 
 
 def test_row_mappings_follow_the_contract_widths():
-    assert mapping.reduce_args(CONTRACT, 10000)["blocks"] == [(0, 4096), (4096, 8192), (8192, 10000)]
-    assert mapping.reduce_args(replace(CONTRACT, "reduce", row_block=8192), 10000)["blocks"] == [(0, 8192),
-                                                                                              (8192, 10000)]
-    assert len(mapping.logprobs_args(CONTRACT, 152064)["chunks"]) == 38
-    assert len(mapping.logprobs_args(replace(CONTRACT, "logprobs", vocab_chunk=8192), 152064)["chunks"]) == 19
-    args = mapping.rms_norm_args(CONTRACT, 4096, 1e-6)
+    assert mapping.reduce_args(ASCEND, 10000)["blocks"] == [(0, 4096), (4096, 8192), (8192, 10000)]
+    assert mapping.reduce_args(replace(ASCEND, "reduce", row_block=8192), 10000)["blocks"] == [(0, 8192),
+                                                                                            (8192, 10000)]
+    assert len(mapping.logprobs_args(ASCEND, 152064)["chunks"]) == 38
+    assert len(mapping.logprobs_args(replace(ASCEND, "logprobs", vocab_chunk=8192), 152064)["chunks"]) == 19
+    args = mapping.rms_norm_args(ASCEND, 5120, 1e-6)
     assert args["op"] == "torch_npu.npu_rms_norm" and args["fused_add"] is False and args["epsilon"] == 1e-6
+    assert "fl(1/n)" in args["mean"]
     with pytest.raises(UnsupportedError, match="row_block"):
-        mapping.rms_norm_args(CONTRACT, 5120, 1e-6)
-    assert mapping.rms_norm_args(replace(CONTRACT, "rms_norm", row_block=8192), 5120, 1e-6)["blocks"] == 1
-    assert mapping.silu_mul_args(CONTRACT)["fused_swiglu"] is False
+        mapping.rms_norm_args(ASCEND, 8193, 1e-6)
+    assert mapping.silu_mul_args(ASCEND)["fused_swiglu"] is False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -224,7 +277,7 @@ class _FakeTorch:
         return self.det
 
 
-def fake_surface(sticky=True):
+def fake_surface(sticky=True, environ=None, modules=None, dist=False):
     class Matmul:
         _v = True
 
@@ -237,28 +290,48 @@ def fake_surface(sticky=True):
             if sticky:
                 self._v = value
 
+    options = {}
     npu = types.SimpleNamespace(matmul=Matmul(), conv=types.SimpleNamespace(allow_hf32=True),
-                                config=types.SimpleNamespace(allow_internal_format=True))
-    return settings.Surface({"HCCL_DETERMINISTIC": "false"}, types.SimpleNamespace(npu=npu), _FakeTorch())
+                                config=types.SimpleNamespace(allow_internal_format=True),
+                                set_option=options.update, options=options)
+    return settings.Surface({"HCCL_DETERMINISTIC": "false"} if environ is None else environ,
+                            types.SimpleNamespace(npu=npu), _FakeTorch(), modules or {}, lambda: dist)
 
 
-def test_settings_are_applied_and_read_back():
+def test_settings_are_applied_where_they_live_and_read_back():
     surface = fake_surface()
     before = settings.read_back(surface)
-    assert before["torch_npu.npu.matmul.allow_hf32"] is True and before["env.ACL_PRECISION_MODE"] is None
+    assert before["torch_npu.npu.matmul.allow_hf32"] is True
     with pytest.raises(settings.SettingsError):
         settings.verify(before)
     readback = settings.apply_and_verify(surface)
-    assert readback == settings.expected() and surface.environ["HCCL_DETERMINISTIC"] == "strict"
-    assert surface.environ["ACL_PRECISION_MODE"] == "must_keep_origin_dtype"
+    assert readback == settings.expected() and surface.environ["HCCL_DETERMINISTIC"] == "true"
+    # finding 5: the precision mode is a set_option option, not an environment variable
+    assert surface.torch_npu.npu.options == {"ACL_PRECISION_MODE": "must_keep_origin_dtype"}
+    assert "ACL_PRECISION_MODE" not in surface.environ and api_facts.setting("ACL_PRECISION_MODE")["kind"] == "option"
+    assert "not readable" in readback["option.ACL_PRECISION_MODE"]
     assert surface.environ["VLLM_ASCEND_ENABLE_NZ"] == "0" and surface.environ["LCCL_DETERMINISTIC"] == "1"
     assert surface.torch_npu.npu.config.allow_internal_format is False and surface.torch.det is True
-    assert settings.apply_and_verify(fake_surface(), hccl="true")["env.HCCL_DETERMINISTIC"] == "true"
+    assert settings.apply_and_verify(fake_surface(), hccl="strict")["env.HCCL_DETERMINISTIC"] == "strict"
+    with pytest.raises(settings.SettingsError, match="Atlas 800T A2"):
+        settings.apply_and_verify(fake_surface(), hccl="yes")
 
 
 def test_a_setting_that_does_not_stick_refuses_the_backend():
     with pytest.raises(settings.SettingsError, match="allow_hf32 = True"):
         settings.apply_and_verify(fake_surface(sticky=False))
+
+
+def test_a_setting_read_before_it_was_set_refuses_the_backend():
+    """Finding 5: HCCL reads its variables at communicator creation, vllm-ascend NZ at config build."""
+    assert api_facts.setting("HCCL_DETERMINISTIC")["read_when"] == "communicator creation"
+    with pytest.raises(settings.SettingsError, match="HCCL_DETERMINISTIC.*process group already exists"):
+        settings.apply(fake_surface(dist=True))
+    with pytest.raises(settings.SettingsError, match="VLLM_ASCEND_ENABLE_NZ.*vllm_ascend is already imported"):
+        settings.apply(fake_surface(modules={"vllm_ascend": object()}))
+    # exported in the launcher: nothing is late, so the same state is accepted
+    ok = {"HCCL_DETERMINISTIC": "true", "LCCL_DETERMINISTIC": "1", "VLLM_ASCEND_ENABLE_NZ": "0"}
+    assert settings.apply_and_verify(fake_surface(environ=dict(ok), modules={"vllm_ascend": 1}, dist=True))
 
 
 def test_backend_reports_settings_and_mapping_with_the_fingerprint():
@@ -268,11 +341,11 @@ def test_backend_reports_settings_and_mapping_with_the_fingerprint():
     assert report["settings"] == settings.expected() and len(report["settings_fingerprint"]) == 64
     assert report["verified_on_hardware"] is False and report["emulated"] is True
     with pytest.raises(UnsupportedError, match="CPU device"):
-        AscendBackend(CONTRACT, "cpu", path="cann", settings_surface=fake_surface())
+        AscendBackend(ASCEND, "cpu", path="cann", settings_surface=fake_surface())
 
 
 # ---------------------------------------------------------------------------------------------
-# The cann path's host-side logic, with stand-in ops on the CPU
+# The cann path's host-side logic, with stand-in ops on the CPU (each call is schema-checked first)
 # ---------------------------------------------------------------------------------------------
 
 class _RecordingOps:
@@ -288,8 +361,8 @@ class _RecordingOps:
         return x.double().sum(dim, keepdim).float()
 
     def npu_fused_infer_attention_score_batch_invariant(self, q, k, v, **kwargs):
-        self.calls.append(("fia", kwargs))
-        return torch.zeros_like(q), None
+        self.calls.append(("fia", q.shape, kwargs))
+        return torch.full_like(q, 7.0), None
 
 
 def test_cann_gemm_calls_the_op_once_per_k_chunk_in_fp32_and_adds_in_order():
@@ -299,21 +372,75 @@ def test_cann_gemm_calls_the_op_once_per_k_chunk_in_fp32_and_adds_in_order():
     x = torch.randn(3, 1100, generator=g).bfloat16()
     w = torch.randn(7, 1100, generator=g).bfloat16()
     ops = _RecordingOps()
-    out = CannOps(CONTRACT, "fia_batch_invariant", ops=ops, torch_npu=object()).linear(x, w, None, torch.float32)
+    out = CannOps(ASCEND, "fia_batch_invariant", ops=ops, torch_npu=object()).linear(x, w, None, torch.float32)
     assert [c[3] for c in ops.calls] == [512, 512, 76] and all(c[1] == c[2] == torch.float32 for c in ops.calls)
     expected = torch.zeros(3, 7)
     for s, e in ((0, 512), (512, 1024), (1024, 1100)):
         expected = expected + (x[:, s:e].double() @ w[:, s:e].double().T).float()
     assert torch.equal(out, expected)
     ops256 = _RecordingOps()
-    CannOps(replace(CONTRACT, "gemm", k_chunk=256), "fia_batch_invariant", ops=ops256,
+    CannOps(replace(ASCEND, "gemm", k_chunk=256), "fia_batch_invariant", ops=ops256,
             torch_npu=object()).linear(x, w, None, torch.float32)
     assert len(ops256.calls) == 5
 
 
-def test_cann_attention_passes_the_mapping_and_reblocks_the_cache_exactly():
-    from hal.backends.ascend.cann_ops import CannOps, reblock
+def test_cann_rms_norm_calls_npu_rms_norm_with_its_documented_keyword():
+    from hal.backends.ascend.cann_ops import CannOps
+
+    seen = []
+
+    def npu_rms_norm(x, gamma, epsilon=1e-6):
+        seen.append(epsilon)
+        return x, x
+
+    ops = CannOps(ASCEND, "fia_batch_invariant", ops=_RecordingOps(), torch_npu=types.SimpleNamespace(
+        npu_rms_norm=npu_rms_norm))
+    x = torch.randn(3, 64).bfloat16()
+    out, res = ops.rms_norm(x, torch.ones(64).bfloat16(), 1e-5, x)
+    assert seen == [1e-5] and torch.equal(res, (x.float() * 2).bfloat16())
+
+
+def _attention_call(q_lens, kv_lens, page=5):
+    from hal.backends.ascend.cann_ops import CannOps
     from hal.kvcache import build_metadata
+
+    g = torch.Generator().manual_seed(1)
+    pages = [-(-n // page) for n in kv_lens]
+    tables, first = [], 0
+    for n in pages:
+        tables.append(list(range(first, first + n))[::-1])  # scrambled (reversed) pages
+        first += n
+    k_cache = torch.randn(first, page, 2, 64, generator=g).bfloat16()
+    ops = _RecordingOps()
+    q = torch.randn(sum(q_lens), 4, 64, generator=g).bfloat16()
+    out = CannOps(ASCEND, "fia_batch_invariant", ops=ops, torch_npu=object()).attention(
+        q, k_cache, k_cache.clone(), build_metadata(q_lens, kv_lens, tables), 0.125)
+    assert out.shape == q.shape
+    return ops.calls
+
+
+def test_cann_attention_is_one_call_path_for_every_phase():
+    """Finding 3: prefill, decode and a mixed batch are one BSND call with S >= 2, i.e. always the
+    PromptFlashAttention branch, with the same arguments."""
+    calls = {name: _attention_call(q, kv) for name, (q, kv) in dict(
+        prefill=([47], [47]), chunked=([20], [47]), decode=([1, 1], [47, 130]), mixed=([1, 30], [47, 130])).items()}
+    assert all(len(c) == 1 for c in calls.values())
+    shapes = {name: c[0][1] for name, c in calls.items()}
+    assert shapes == dict(prefill=(1, 47, 4, 64), chunked=(1, 20, 4, 64), decode=(2, 2, 4, 64),
+                          mixed=(2, 30, 4, 64))
+    assert all(s[1] > 1 for s in shapes.values()), "a query S of 1 would run IncreFlashAttention"
+    fixed = ("input_layout", "sparse_mode", "inner_precise", "block_size", "num_heads", "num_key_value_heads",
+             "scale", "pre_tokens", "next_tokens", "softmax_lse_flag")
+    pinned = {name: tuple(c[0][2][k] for k in fixed) for name, c in calls.items()}
+    assert len(set(pinned.values())) == 1 and pinned["decode"] == ("BSND", 3, 0, 128, 4, 2, 0.125, 2 ** 31 - 1,
+                                                                   0, False)
+    assert calls["mixed"][0][2]["actual_seq_lengths"] == [1, 30]
+    assert calls["mixed"][0][2]["actual_seq_lengths_kv"] == [47, 130]
+    assert "scale_value" not in calls["decode"][0][2]
+
+
+def test_cann_attention_reblocks_the_cache_exactly_into_128_key_blocks():
+    from hal.backends.ascend.cann_ops import reblock
 
     g = torch.Generator().manual_seed(1)
     page, pages = 5, [7, 2, 9, 0, 4, 1, 8, 3, 6, 5]  # scrambled pages of 5 keys: 50 keys
@@ -324,37 +451,21 @@ def test_cann_attention_passes_the_mapping_and_reblocks_the_cache_exactly():
     for j in range(47):
         assert torch.equal(kb.view(-1, 2, 64)[j], k_cache[pages[j // page], j % page])
         assert torch.equal(vb.view(-1, 2, 64)[j], v_cache[pages[j // page], j % page])
-    ops = _RecordingOps()
-    meta = build_metadata([3], [47], [pages])
-    q = torch.randn(3, 4, 64, generator=g).bfloat16()
-    CannOps(CONTRACT, "fia_batch_invariant", ops=ops, torch_npu=object()).attention(q, k_cache, v_cache, meta, 0.125)
-    kwargs = ops.calls[0][1]
-    assert (kwargs["sparse_mode"], kwargs["inner_precise"], kwargs["block_size"], kwargs["input_layout"],
-            kwargs["num_heads"], kwargs["num_key_value_heads"], kwargs["actual_seq_lengths_kv"]) == (
-        3, 0, 64, "TND", 4, 2, [47])
+    calls = _attention_call([1], [130])
+    kwargs = calls[0][2]
+    assert kwargs["block_size"] == 128 and kwargs["block_table"].shape == (1, 2)
 
 
-def test_cann_attention_calls_flash_attention_npu_with_one_split_and_no_heuristics():
+def test_cann_attention_refuses_fp32_and_the_flash_kernel():
     from hal.backends.ascend.cann_ops import CannOps
     from hal.kvcache import build_metadata
 
-    seen = {}
-
-    def flash_attn_with_kvcache(q, k_cache, v_cache, **kwargs):
-        seen.update(kwargs, k_shape=tuple(k_cache.shape))
-        return torch.zeros_like(q)
-
-    flash = types.SimpleNamespace(flash_attn_with_kvcache=flash_attn_with_kvcache)
-    c128 = replace(CONTRACT, "attention", kv_chunk=128, kv_split=512)
-    ops = CannOps(c128, "flash_attn_npu_v3", ops=_RecordingOps(), torch_npu=object(), flash=flash)
-    k_cache = torch.zeros(8, 16, 2, 64, dtype=torch.bfloat16)
-    meta = build_metadata([2, 1], [20, 100], [[0, 1], [2, 3, 4, 5, 6, 7, 0]])
-    ops.attention(torch.zeros(3, 4, 64, dtype=torch.bfloat16), k_cache, k_cache.clone(), meta, 0.125)
-    assert (seen["num_splits"], seen["pack_gqa"], seen["causal"], seen["softmax_scale"]) == (1, False, True, 0.125)
-    assert seen["k_shape"] == (2, 128, 2, 64) and seen["page_table"].tolist() == [[0], [1]]
-    assert seen["cache_seqlens"].tolist() == [20, 100] and seen["cu_seqlens_q"].tolist() == [0, 2, 3]
+    ops = CannOps(ASCEND, "fia_batch_invariant", ops=_RecordingOps(), torch_npu=object())
+    cache = torch.zeros(2, 16, 2, 64)
     with pytest.raises(UnsupportedError, match="bf16"):
-        ops.attention(torch.zeros(3, 4, 64), k_cache.float(), k_cache.float(), meta, 0.125)
+        ops.attention(torch.zeros(1, 4, 64), cache, cache, build_metadata([1], [20], [[0, 1]]), 0.125)
+    with pytest.raises(UnsupportedError, match="512 keys"):
+        CannOps(ASCEND, "flash_attn_npu_3", ops=_RecordingOps(), torch_npu=object())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -366,13 +477,21 @@ def test_ascend_tiles_fit_the_unified_buffer_and_keep_block_k_fixed():
         cfgs = [tiles.gemm_config(m, n, 4096, CONTRACT.gemm, in_bytes) for m in (1, 16, 17, 64, 65, 4096)
                 for n in (64, 4096, 152064)]
         assert len({c["BLOCK_K"] for c in cfgs}) == 1, "BLOCK_K must not depend on M or N"
-        assert all(tiles.gemm_ub_bytes(c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], in_bytes) <= tiles.UB_BYTES
+        # the double-buffered budget (half the 192 KB UB), not the whole UB
+        assert tiles.UB_BUDGET == tiles.UB_BYTES // 2 == api_facts.triton_ascend()["double_buffered_budget_bytes"]
+        assert all(tiles.gemm_ub_bytes(c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], in_bytes) <= tiles.UB_BUDGET
                    for c in cfgs)
+        assert all(c["tma"] is False for c in cfgs), "triton-ascend has no host-side TensorDescriptor"
         for d in (64, 128):
             for group in (1, 4, 8):
-                bq = tiles.attention_block_q(64, d, group, in_bytes, 4096)
                 gp = 1 << (group - 1).bit_length()
-                assert tiles.attention_ub_bytes(bq * gp, 64, d, in_bytes) <= tiles.UB_BYTES
+                if tiles.attention_ub_bytes(gp, 64, d, in_bytes) > tiles.UB_BUDGET:  # not even one query fits
+                    with pytest.raises(UnsupportedError, match="does not fit"):
+                        tiles.attention_block_q(64, d, group, in_bytes, 4096)
+                    assert in_bytes == 4 and d == 128, "bf16 tiles of 64 keys must fit"
+                    continue
+                bq = tiles.attention_block_q(64, d, group, in_bytes, 4096)
+                assert tiles.attention_ub_bytes(bq * gp, 64, d, in_bytes) <= tiles.UB_BUDGET
     assert tiles.gemm_block_k(512, 2) == 256 and tiles.gemm_block_k(512, 4) == 128 and tiles.gemm_block_k(
         48, 2) == 16
     with pytest.raises(UnsupportedError):
@@ -426,3 +545,22 @@ def test_ascend_row_ops_are_batch_invariant_under_the_interpreter(emulated):
     for name in ("rms_norm", "rms_norm+residual", "silu_mul", "rotary", "log_softmax", "log_softmax T=0.7",
                  "token_logprobs", "sum", "mean", "topk"):
         assert row_invariance(name, fns[name], rows, [1, 5, 24], g, distinct=24) == [], name
+
+
+def test_the_npu_smoke_script_calls_every_op_once_and_reads_back_every_setting():
+    """The wiring of ``python -m hal.backends.ascend.smoke`` on stand-ins (its NPU run is not done)."""
+    from hal.backends.ascend import smoke
+
+    lines = []
+    npu_rms_norm = lambda x, gamma, epsilon=1e-6: (x, x)  # noqa: E731
+    ok = smoke.run(_RecordingOps(), types.SimpleNamespace(npu_rms_norm=npu_rms_norm), fake_surface(), "cpu",
+                   out=lines.append)
+    text = "\n".join(lines)
+    assert ok, text
+    for name in ("npu_mm_batch_invariant", "npu_reduce_sum_batch_invariant", "npu_rms_norm", FIA):
+        assert f"== {name}" in text, name
+    assert text.count("called once: ok") == 4
+    for key in settings.expected():
+        assert f"== setting {key}" in text, key
+    assert not smoke.run(_RecordingOps(), types.SimpleNamespace(npu_rms_norm=npu_rms_norm),
+                         fake_surface(sticky=False), "cpu", out=lines.append)  # control: a bad setting fails it

@@ -7,11 +7,13 @@ Paths (constructor argument ``path`` or ``HAL_ASCEND_PATH``; reported in the pro
 missing piece of the chosen path makes the backend unavailable, it never falls back to the other):
   cann    (default) torch_npu + CANN's batch-invariant op package for GEMM and reductions, with the
           contract's K chunks / row blocks / vocabulary chunks enforced on the host around each op;
-          attention through flash-attention-npu's ``flash_attn_with_kvcache`` (num_splits=1) or the
-          op package's batch-invariant fused-inference-attention (``HAL_ASCEND_ATTENTION``);
-          RMSNorm as add, then ``npu_rms_norm``; SiLU*up as plain torch ops. ``cann_ops.py``
-  triton  the shared Triton kernels (``hal.kernels``) on triton-ascend with tiles fitted to the
-          unified buffer (``tiles.py``, passed in as the launch policy of ``launch.py``). ``triton_ops.py``
+          attention through the op package's batch-invariant fused-inference-attention, one call path
+          for every phase; RMSNorm as add, then ``npu_rms_norm``; SiLU*up as plain torch ops.
+          Realises bf16-ascend-v1 (the native kernels' rules), refuses bf16-dense-v1. ``cann_ops.py``
+  triton  the shared Triton kernels (``hal.kernels``) with tiles fitted to the unified buffer
+          (``tiles.py``, ``launch.py``): CPU emulation under TRITON_INTERPRET=1 only. On an NPU it is
+          refused: triton-ascend gives no rounding guarantee for div_rn/sqrt_rn, ignores
+          enable_fp_fusion and lacks the bitcasts the bf16 rounding uses (api_facts.toml). ``triton_ops.py``
 Every numerics-relevant NPU argument is a pure function of the contract (``mapping.py``); the
 determinism and precision settings are applied at construction and read back (``settings.py``);
 ``numerics_report()`` returns both with the contract fingerprint.
@@ -36,7 +38,7 @@ from hal.errors import UnsupportedError
 #: shapes (a context longer than kv_split on the cann path, a tile that outgrows the unified buffer)
 #: is refused per call.
 CAPABILITIES = Capabilities(
-    contracts=("bf16-dense-v1",),
+    contracts=("bf16-ascend-v1",),
     dtypes=(torch.bfloat16, torch.float32),
     head_dims=HEAD_DIMS,
     page_sizes=None,  # any: the cann path re-blocks the cache, the triton kernels read any page size
@@ -52,7 +54,8 @@ def path_capabilities(path: str) -> Capabilities:
         return CAPABILITIES
     from hal.kernels.realises import CONTRACT_VALUES
 
-    return dataclasses.replace(CAPABILITIES, contract_values={**CAPABILITIES.contract_values, **CONTRACT_VALUES})
+    return dataclasses.replace(CAPABILITIES, contracts=("bf16-dense-v1", "bf16-ascend-v1"),
+                               contract_values=CONTRACT_VALUES)
 
 
 def _interpreting() -> bool:
@@ -61,7 +64,7 @@ def _interpreting() -> bool:
 
 class AscendBackend(Backend):
     name = "ascend"
-    description = "Huawei Ascend NPUs: CANN batch-invariant ops + flash-attention-npu, or triton-ascend"
+    description = "Huawei Ascend NPUs: torch_npu + CANN's batch-invariant ops (bf16-ascend-v1); unverified on hardware"
     kind = "accelerator"
     capabilities = CAPABILITIES
 
@@ -85,7 +88,7 @@ class AscendBackend(Backend):
         return torch.device("npu")
 
     def __init__(self, contract, device=None, *, path: str | None = None, attention_impl: str | None = None,
-                 settings_surface=None, hccl: str = "strict", cann_handles: dict | None = None):
+                 settings_surface=None, hccl: str = "true", cann_handles: dict | None = None):
         from hal.backends.ascend import mapping, settings
         from hal.backends.ascend.probe import resolve_attention_impl, resolve_path
 
@@ -95,11 +98,19 @@ class AscendBackend(Backend):
         if emulated and not (self.path == "triton" and _interpreting()):
             raise UnsupportedError("ascend: a CPU device is only accepted for the triton path under "
                                    "TRITON_INTERPRET=1 (emulation for CI)")
-        super().__init__(contract, device)
+        if self.path == "triton" and not emulated:
+            from hal.backends.ascend.probe import triton_ascend_refusal
+
+            raise UnsupportedError(f"ascend: {triton_ascend_refusal()}")
+        # The contract is checked against this path's capabilities (the cann path realises
+        # bf16-ascend-v1 only; the emulated triton path both), not the class's (the cann path's).
+        super().__init__(None, device)
+        self.contract = contract
         self.capabilities = path_capabilities(self.path)
         if self.contract is not None:
             self.check_realises(self.contract, self.capabilities)
-        mapping.check_contract(self.contract)
+        if self.path == "cann":
+            mapping.check_contract(self.contract)
         self.emulated = emulated
         # Settings: applied and read back at selection; a wrong read-back refuses the backend.
         if settings_surface is None and not emulated:

@@ -24,27 +24,38 @@ from hal.errors import UnsupportedError
 
 INT32_MAX = 2 ** 31 - 1
 HEAD_DIMS = (64, 128)
-#: KV block sizes (keys per block of the kernel's paged cache) each attention kernel accepts. The
-#: kernel's online softmax steps over whole blocks, so block_size = kv_chunk puts the softmax chunk
-#: boundaries at the contract's absolute positions (an assumption: see ``assumptions``).
-FLASH_BLOCK_SIZES = (128,)
-FIA_BLOCK_SIZES = tuple(range(16, 513, 16))
+#: KV block sizes (keys per block of the kernel's paged cache) the fused-inference-attention op takes
+#: with page attention and a query S axis > 1 (api_facts.toml: a multiple of 128 in 128..512). The
+#: kernel's online softmax is assumed to step over whole blocks, so block_size = kv_chunk puts the
+#: softmax chunk boundaries at the contract's absolute positions (an assumption: ``assumptions``).
+FIA_BLOCK_SIZES = (128, 256, 384, 512)
+#: flash-attention-npu's softmax steps over 512 keys whatever the page size (api_facts.toml).
+FLASH_KEY_STEP = 512
 
-# The contract's enumerated values this backend knows how to realise, per section.
+# The contract's enumerated values this backend's cann path realises, per section: the rules of
+# Ascend's native kernels (bf16-ascend-v1). bf16-dense-v1's exp2 / rounded-P row sum / div_rn mean
+# are not what those kernels compute, so that contract is refused with the reason.
 KNOWN = {
     "gemm": {"accumulate_dtype": "float32", "chunk_order": "ascending", "bias": "fp32_before_rounding",
              "output_rounding": "nearest_even", "logits_dtype": "float32"},
-    "attention": {"score_dtype": "float32", "scale": "folded_log2e", "exp": "exp2",
+    "attention": {"score_dtype": "float32", "scale": "multiply", "exp": "exp",
                   "split_merge": "ascending_rescale", "mask": "select_before_max", "p_dtype": "activation",
-                  "row_sum": "sum_of_rounded_p", "online_update": "rescale_then_add",
+                  "row_sum": "sum_of_fp32_p", "online_update": "rescale_then_add",
                   "output": "divide_rn_then_round", "gqa": "head_div_group"},
     "rms_norm": {"compute_dtype": "float32", "residual_add": "fp32_add_round_to_activation",
-                 "inv_rms": "div_rn_sqrt_rn", "weight_multiply": "fp32_round_once"},
+                 "inv_rms": "mul_reciprocal_div_rn_sqrt_rn", "weight_multiply": "fp32_round_once"},
     "silu_mul": {"formula": "x_div_1p_exp_neg_x", "exp": "exp", "rounding": "fp32_round_once"},
     "rope": {"style": "neox", "table": "fp64_scalar_libm_fp32", "fma": "none", "rounding": "fp32_round_once"},
     "logprobs": {"dtype": "float32", "temperature": "divide_first", "exp": "exp", "log": "log"},
     "reduce": {"accumulate_dtype": "float32", "mean": "div_rn"},
     "topk": {"ties": "lower_index", "order": "value_desc_index_asc"},
+}
+#: why each cann-path rule is what it is (the refusal says it)
+WHY = {
+    "attention.scale": "the native attention multiplies the scores by the scale (no log2(e) folding)",
+    "attention.exp": "the native attention uses the natural exp",
+    "attention.row_sum": "the native attention sums the fp32 probabilities, not the rounded P",
+    "rms_norm.inv_rms": "torch_npu.npu_rms_norm forms the mean as sum x fl(1/n), not div_rn",
 }
 
 
@@ -54,7 +65,9 @@ def check_known(contract: Contract, section: str) -> None:
     for key, want in KNOWN[section].items():
         got = getattr(spec, key)
         if got != want:
-            raise UnsupportedError(f"ascend: [{section}].{key} = {got!r} cannot be realised (only {want!r})")
+            why = WHY.get(f"{section}.{key}")
+            raise UnsupportedError(f"ascend: [{section}].{key} = {got!r} cannot be realised (only {want!r}"
+                                   + (f": {why}" if why else "") + "); use contract bf16-ascend-v1")
 
 
 def check_contract(contract: Contract) -> None:
@@ -112,58 +125,68 @@ def gemm_args(contract: Contract) -> GemmArgs:
 
 ATTENTION_ASSUMPTIONS = (
     "the kernel's online softmax steps over whole KV blocks of block_size keys, in ascending order "
-    "(in the upstream FlashAttention-3 design the KV tile is independent of the page size: check first)",
-    "scores are fp32; masked keys are selected out before the row max (flash-attention-npu's fix)",
-    "the kernel's exp / scale placement / P dtype / row sum match the contract's "
-    "(folded_log2e + exp2, P rounded to the activation dtype, row sum of the rounded P): "
-    "not pinnable through arguments",
-    "prefill (Q_S > 1) and decode (Q_S == 1) run the same kernel code path",
+    "(closed kernel: not documented; flash-attention-npu, for one, steps over 512 keys whatever the page size)",
+    "scores are fp32, multiplied by the scale; p = exp(s - m); the row sum is of the fp32 p; P is rounded to "
+    "bf16 for P @ V (the native rule bf16-ascend-v1 writes down; not pinnable through arguments)",
+    "masked keys are selected out before the row max",
+    "PromptFlashAttention's bits for one query row do not depend on the query S axis, the row's place in it, "
+    "or the batch-mates (the batch-invariant variant's claim; the conformance kit checks it)",
 )
 
 
 def attention_args(contract: Contract, impl: str, *, num_q_heads: int, num_kv_heads: int, head_dim: int,
                    scale: float, max_seq_len: int) -> dict:
-    """Keyword arguments of the attention kernel for one call (both prefill and decode)."""
+    """Keyword arguments of the attention kernel for one call, the same for prefill, chunked prefill,
+    decode and the training forward (one phase-consistent path: ``cann_ops.CannOps.attention``)."""
     check_known(contract, "attention")
     spec = contract.attention
+    if impl == "flash_attn_npu_3":
+        # Its softmax steps over 512 keys whatever the page size, with exp and an fp32-P row sum: it
+        # could realise a contract with kv_chunk = 512 only, and no shipped contract (nor the cuda
+        # kernels, whose key tile stops at 128) has that.
+        raise UnsupportedError(
+            f"ascend attention: flash_attn_npu_3 steps its softmax over {FLASH_KEY_STEP} keys whatever the page "
+            f"size, so it realises only kv_chunk = {FLASH_KEY_STEP}; [attention].kv_chunk = {spec.kv_chunk}. "
+            "Use HAL_ASCEND_ATTENTION=fia_batch_invariant")
+    if impl != "fia_batch_invariant":
+        raise UnsupportedError(f"ascend attention: unknown implementation {impl!r}")
     if head_dim not in HEAD_DIMS:
         raise UnsupportedError(f"ascend attention: head dim {head_dim} not in {HEAD_DIMS}")
     if num_kv_heads <= 0 or num_q_heads % num_kv_heads:
         raise UnsupportedError(f"ascend attention: {num_q_heads} query heads are not a multiple of "
                                f"{num_kv_heads} KV heads")
+    if num_q_heads // num_kv_heads > 64:
+        raise UnsupportedError(f"ascend attention: {num_q_heads // num_kv_heads} query heads per KV head > 64, "
+                               "the fused-inference-attention limit")
+    if num_kv_heads * head_dim > 65535:
+        raise UnsupportedError(f"ascend attention: KV heads x head dim = {num_kv_heads * head_dim} > 65535, the "
+                               "limit of a (blocks, block_size, H) paged cache")
     if spec.split_count(max_seq_len) > 1:
         # A single-split kernel over more than kv_split keys is not the contract's split merge, and
-        # the kernels return (out, lse), not the (m, l, acc) the contract merges.
+        # the kernel returns (out, lse), not the (m, l, acc) the contract merges.
         raise UnsupportedError(
             f"ascend attention (cann path): a context of {max_seq_len} keys exceeds [attention].kv_split = "
-            f"{spec.kv_split}; the NPU kernel runs one split (num_splits=1) and cannot merge splits as "
-            "'ascending_rescale' says. Use a contract with kv_split = 0 or HAL_ASCEND_PATH=triton")
+            f"{spec.kv_split}; the NPU kernel runs one split per call and cannot merge splits as "
+            "'ascending_rescale' says")
     block = spec.kv_chunk
-    if impl == "flash_attn_npu_v3":
-        if block not in FLASH_BLOCK_SIZES:
-            raise UnsupportedError(f"ascend attention: flash_attn_npu_v3 takes KV blocks of {FLASH_BLOCK_SIZES} "
-                                   f"keys; [attention].kv_chunk = {block} cannot be realised (use "
-                                   "HAL_ASCEND_ATTENTION=fia_batch_invariant or HAL_ASCEND_PATH=triton)")
-        # num_splits defaults to 0 (a split heuristic) and pack_gqa to None (a heuristic): both pinned.
-        return dict(op="flash_attn_npu_v3.flash_attn_with_kvcache", layout="TND (cu_seqlens_q)",
-                    page_block_size=block, num_splits=1, pack_gqa=False, attention_chunk=0,
-                    scheduler_metadata=None, causal=True, window_size=(-1, -1), softcap=0.0,
-                    softmax_scale=float(scale), num_heads=num_q_heads, num_kv_heads=num_kv_heads,
-                    gqa="query head h reads KV head h // (num_heads // num_kv_heads)",
-                    return_softmax_lse=False, assumptions=ATTENTION_ASSUMPTIONS)
-    if impl == "fia_batch_invariant":
-        if block not in FIA_BLOCK_SIZES:
-            raise UnsupportedError(f"ascend attention: the fused-inference-attention block_size must be a "
-                                   f"multiple of 16 up to 512; [attention].kv_chunk = {block}")
-        return dict(op="torch.ops.batch_invariant_ops.npu_fused_infer_attention_score_batch_invariant",
-                    input_layout="TND", sparse_mode=3, atten_mask="2048x2048 bool, True above the diagonal",
-                    pre_tokens=INT32_MAX, next_tokens=0,
-                    # 0 = high precision (fp32 softmax); the CANN op's default (1) and torch_npu's (0)
-                    # differ, so it is always passed
-                    inner_precise=0, block_size=block, num_heads=num_q_heads, num_key_value_heads=num_kv_heads,
-                    scale_value=float(scale), softmax_lse_flag=False, antiquant_mode=0,
-                    assumptions=ATTENTION_ASSUMPTIONS)
-    raise UnsupportedError(f"ascend attention: unknown implementation {impl!r}")
+    if block not in FIA_BLOCK_SIZES:
+        raise UnsupportedError(f"ascend attention: with page attention and query length > 1 the "
+                               f"fused-inference-attention block_size must be one of {FIA_BLOCK_SIZES} "
+                               f"(a multiple of 128 in 128..512); [attention].kv_chunk = {block}")
+    return dict(op="torch.ops.batch_invariant_ops.npu_fused_infer_attention_score_batch_invariant",
+                # BSND with the query S axis padded to >= 2: every call, decode included, takes the
+                # PromptFlashAttention branch (the op picks IncreFlashAttention when S == 1), so
+                # prefill, chunked prefill, decode and training run one kernel with one set of
+                # arguments. TND is not used: with head dim != 512 it has no page attention.
+                input_layout="BSND", min_query_s=2, sparse_mode=3,
+                atten_mask="2048x2048 bool, True above the diagonal (sparse_mode 3: right-down causal)",
+                pre_tokens=INT32_MAX, next_tokens=0,
+                # bf16 does not distinguish high precision from high performance: 0 (the default) is
+                # passed so the call is explicit, but it pins nothing for bf16
+                inner_precise=0, block_size=block, num_heads=num_q_heads, num_key_value_heads=num_kv_heads,
+                scale=float(scale), softmax_lse_flag=False, antiquant_mode=0,
+                kv_cache_layout="(blocks, block_size, num_kv_heads * head_dim)",
+                assumptions=ATTENTION_ASSUMPTIONS)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -180,8 +203,10 @@ def rms_norm_args(contract: Contract, hidden: int, eps: float) -> dict:
                                "cannot realise the contract's ascending row blocks (use HAL_ASCEND_PATH=triton)")
     return dict(op="torch_npu.npu_rms_norm", epsilon=float(eps), fused_add=False,
                 residual_add="round_act(fl32(x + residual)) with torch ops, before the norm",
+                mean="sum x fl(1/n) (the kernel's rule: [rms_norm].inv_rms = mul_reciprocal_div_rn_sqrt_rn)",
                 blocks=1, assumptions=("npu_rms_norm computes 1/sqrt correctly rounded (div_rn of sqrt_rn)",
-                                       "npu_rms_norm multiplies by the weight in fp32 and rounds once"))
+                                       "npu_rms_norm multiplies by the weight in fp32 and rounds once",
+                                       "npu_rms_norm's mean is sum x fl(1/n) (source review, not documented)"))
 
 
 def silu_mul_args(contract: Contract) -> dict:

@@ -8,11 +8,13 @@ beyond asking torch_npu how many there are.
 Pieces, per path (``HAL_ASCEND_PATH``):
   both    torch_npu, the CANN toolkit (its environment from ``set_env.sh``), an NPU device
   cann    the batch-invariant op package (``import batch_invariant_ops`` registers
-          ``torch.ops.batch_invariant_ops.*``), and the attention kernel of ``attention_impl``:
-          flash-attention-npu (``flash_attn_npu_v3.flash_attn_with_kvcache``) or the op package's
-          batch-invariant fused-inference-attention variant
-  triton  triton-ascend (triton with its Ascend backend, ``triton.backends.ascend`` up to 3.2,
-          ``triton.backends.cann`` later)
+          ``torch.ops.batch_invariant_ops.*``, installed by the op package's .run installer into
+          ``ASCEND_CUSTOM_OPP_PATH``) and its batch-invariant fused-inference-attention variant.
+          flash-attention-npu (module ``flash_attn_npu_3``, renamed from ``flash_attn_npu_v3``) can be
+          chosen but is reported as unable to realise any shipped contract (mapping.attention_args)
+  triton  triton-ascend: reported unavailable on an NPU whatever is installed (the shared kernels need
+          rounding guarantees and bitcasts it does not give: api_facts.toml [triton_ascend]); it runs
+          only as CPU emulation under TRITON_INTERPRET=1
 """
 
 from __future__ import annotations
@@ -23,15 +25,15 @@ from dataclasses import dataclass, field
 
 PATHS = ("cann", "triton")
 DEFAULT_PATH = "cann"
-ATTENTION_IMPLS = ("flash_attn_npu_v3", "fia_batch_invariant")
-DEFAULT_ATTENTION_IMPL = "flash_attn_npu_v3"
+ATTENTION_IMPLS = ("fia_batch_invariant", "flash_attn_npu_3")
+DEFAULT_ATTENTION_IMPL = "fia_batch_invariant"
 
 OP_NAMESPACE = "batch_invariant_ops"
 OP_PACKAGE = "batch_invariant_ops"  # the Python package whose import registers the ops
 #: ops of the package each op of the cann path calls (torch.ops.batch_invariant_ops.<name>)
 CANN_OPS = ("npu_mm_batch_invariant", "npu_reduce_sum_batch_invariant")
 FIA_OP = "npu_fused_infer_attention_score_batch_invariant"
-FLASH_MODULE, FLASH_FUNC = "flash_attn_npu_v3", "flash_attn_with_kvcache"
+FLASH_MODULE, FLASH_FUNC = "flash_attn_npu_3", "flash_attn_with_kvcache"  # renamed from flash_attn_npu_v3
 TRITON_ASCEND_BACKENDS = ("triton.backends.ascend", "triton.backends.cann")
 CANN_ENV = ("ASCEND_TOOLKIT_HOME", "ASCEND_HOME_PATH")
 
@@ -122,22 +124,22 @@ def diagnose(path: str | None = None, attention_impl: str | None = None,
             d.missing.append(f"the CANN batch-invariant op package is not importable "
                              f"(import {OP_PACKAGE}: {err})")
         else:
-            absent = [op for op in CANN_OPS + ((FIA_OP,) if d.attention_impl == "fia_batch_invariant" else ())
+            absent = [op for op in CANN_OPS + (FIA_OP,)
                       if lookup_op(OP_NAMESPACE, op) is None]
             if absent:
                 d.missing.append("the batch-invariant op package lacks "
                                  + ", ".join(f"torch.ops.{OP_NAMESPACE}.{op}" for op in absent))
             else:
                 d.found["batch_invariant_ops"] = getattr(package, "__version__", "present")
-        if d.attention_impl == "flash_attn_npu_v3":
+        if d.attention_impl == "flash_attn_npu_3":
             flash, err = _try_import(FLASH_MODULE)
-            if flash is None:
-                d.missing.append(f"flash-attention-npu is not importable (import {FLASH_MODULE}: {err}); "
-                                 "or choose HAL_ASCEND_ATTENTION=fia_batch_invariant")
-            elif not hasattr(flash, FLASH_FUNC):
-                d.missing.append(f"{FLASH_MODULE} has no {FLASH_FUNC}")
-            else:
-                d.found["flash_attn_npu_v3"] = getattr(flash, "__version__", "present")
+            if flash is not None:
+                d.found["flash_attn_npu_3"] = getattr(flash, "__version__", "present")
+            # Whether or not it is installed: its softmax steps over 512 keys with exp and an fp32-P row
+            # sum, which no shipped contract (kv_chunk 64 or 128) is.
+            d.missing.append("flash-attention-npu (flash_attn_npu_3) realises no shipped contract: its softmax "
+                             "steps over 512 keys whatever the page size; choose HAL_ASCEND_ATTENTION="
+                             "fia_batch_invariant")
     else:
         triton, err = _try_import("triton")
         if triton is None:
@@ -154,6 +156,7 @@ def diagnose(path: str | None = None, attention_impl: str | None = None,
                                  f"(none of {', '.join(TRITON_ASCEND_BACKENDS)} is importable)")
             else:
                 d.found["triton"] = f"{getattr(triton, '__version__', '?')} ({backend})"
+        d.missing.append(triton_ascend_refusal())
 
     if torch_npu is not None:
         try:
@@ -167,3 +170,14 @@ def diagnose(path: str | None = None, attention_impl: str | None = None,
     else:
         d.missing.append("no NPU device can be checked without torch_npu")
     return d
+
+
+def triton_ascend_refusal() -> str:
+    """Why the triton path cannot realise the contract on an NPU (from api_facts.toml)."""
+    from hal.backends.ascend import api_facts
+
+    t = api_facts.triton_ascend()
+    return (f"the triton path cannot realise the contract on an NPU ({t['version']}): it ignores "
+            f"{', '.join(t['ignored_launch_options'])} (FMA contraction is not ruled out), lowers "
+            f"{' and '.join(t['no_rounding_guarantee'])} to plain divide/sqrt (no rounding guarantee), and does "
+            f"not support {'; '.join(t['unsupported'])}; use HAL_ASCEND_PATH=cann")

@@ -2,16 +2,25 @@
 
 Why: on Ascend several knobs outside the kernels change bits (HF32 rounding of fp32 matmul operands,
 the private NZ weight format, CANN's precision mode, non-deterministic HCCL/LCCL collectives). The
-backend sets them when it is constructed, reads every one back from where it lives, and refuses to
-run if any reads back wrong; the read-back values are reported next to the contract fingerprint.
+backend sets them when it is constructed, reads every one back from where it lives (where it can be
+read), and refuses to run if any reads back wrong or was set too late to take effect; the values are
+reported next to the contract fingerprint.
 
 A *surface* is where the settings live: ``environ`` (a mutable mapping), ``torch_npu`` (the module:
-``npu.matmul.allow_hf32``, ``npu.conv.allow_hf32``, ``npu.config.allow_internal_format``) and ``torch``
-(``use_deterministic_algorithms``). ``real_surface()`` is the process's; tests pass a fake one.
+``npu.set_option``, ``npu.matmul.allow_hf32``, ``npu.conv.allow_hf32``, ``npu.config.allow_internal_format``),
+``torch`` (``use_deterministic_algorithms``), ``modules`` and ``dist_initialized`` (what has started). ``real_surface()`` is the process's; tests pass a fake one.
 
-Environment variables read by the CANN runtime (``ACL_PRECISION_MODE``) take effect only if set
-before the runtime initialises: set them in the launcher (docs/ascend-backend.md) as well; reading
-them back here proves the process saw them, not that the runtime applied them.
+Where and when each is read (api_facts.toml [setting.*]):
+  * ``ACL_PRECISION_MODE`` is an option of ``torch_npu.npu.set_option``; an environment variable of
+    that name does nothing. It has no documented getter: it is applied and reported as applied, not
+    read back (Atlas A2/A3 default to must_keep_origin_dtype anyway).
+  * ``HCCL_DETERMINISTIC`` / ``LCCL_DETERMINISTIC`` are read when a communicator is created: setting
+    them after ``torch.distributed`` has a process group changes nothing, so then they must already
+    have been in the environment (set in the launcher), or the backend refuses. ``strict`` (order
+    preserving) is supported only on some Atlas A2 servers (Atlas 800T A2, 900 A2 PoD, 200T A2 Box16);
+    on A3 it acts as ``true``. The default here is ``true``; pass ``hccl="strict"`` on those servers.
+  * ``VLLM_ASCEND_ENABLE_NZ`` is read when vllm-ascend builds its config: once ``vllm_ascend`` is
+    imported it must already be 0, or the backend refuses.
 """
 
 from __future__ import annotations
@@ -19,24 +28,30 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass
-from typing import Any, MutableMapping
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, MutableMapping
 
 from hal.errors import HalError
 
-#: environment variable -> required value
+#: environment variable -> required value (HCCL_DETERMINISTIC: the ``hccl`` argument)
 ENV = {
-    "HCCL_DETERMINISTIC": "strict",        # deterministic collectives ("true" where strict is unsupported)
+    "HCCL_DETERMINISTIC": "true",          # deterministic collectives; "strict" on the A2 servers that support it
     "LCCL_DETERMINISTIC": "1",
-    "ACL_PRECISION_MODE": "must_keep_origin_dtype",  # never silently lower bf16/fp32 operators' precision
     "VLLM_ASCEND_ENABLE_NZ": "0",          # vllm-ascend: keep weights in ND, never NZ
 }
+#: environment variable -> what must not have started before it was set: "dist" (a process group
+#: exists: its communicators read it at creation) or a module name (imported: its config is built)
+READ_BY = {"HCCL_DETERMINISTIC": "dist", "LCCL_DETERMINISTIC": "dist", "VLLM_ASCEND_ENABLE_NZ": "vllm_ascend"}
+#: torch_npu.npu.set_option keys -> required value (applied; not readable back)
+OPTIONS = {"ACL_PRECISION_MODE": "must_keep_origin_dtype"}
 #: torch_npu attribute path -> required value
 NPU_FLAGS = {
     "npu.matmul.allow_hf32": False,
     "npu.conv.allow_hf32": False,
     "npu.config.allow_internal_format": False,  # no private (NZ) formats for new tensors
 }
+HCCL_MODES = ("true", "strict")
 
 
 class SettingsError(HalError):
@@ -48,13 +63,18 @@ class Surface:
     environ: MutableMapping[str, str]
     torch_npu: Any
     torch: Any
+    modules: Mapping[str, Any] = field(default_factory=dict)   # sys.modules: what is imported
+    dist_initialized: Callable[[], bool] = lambda: False       # torch.distributed has a process group
 
 
 def real_surface() -> Surface:
     import torch
     import torch_npu
 
-    return Surface(os.environ, torch_npu, torch)
+    def dist_initialized() -> bool:
+        return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+    return Surface(os.environ, torch_npu, torch, sys.modules, dist_initialized)
 
 
 def _resolve(root: Any, dotted: str) -> tuple[Any, str]:
@@ -64,12 +84,38 @@ def _resolve(root: Any, dotted: str) -> tuple[Any, str]:
     return root, parts[-1]
 
 
-def apply(surface: Surface, hccl: str = "strict") -> None:
-    """Set every knob. ``hccl`` is "strict" or "true" (for HCCL versions without strict)."""
-    if hccl not in ("strict", "true"):
-        raise SettingsError(f"HCCL_DETERMINISTIC must be 'strict' or 'true', got {hccl!r}")
-    for key, value in ENV.items():
-        surface.environ[key] = hccl if key == "HCCL_DETERMINISTIC" else value
+def required_env(hccl: str = "true") -> dict:
+    if hccl not in HCCL_MODES:
+        raise SettingsError(f"HCCL_DETERMINISTIC must be one of {HCCL_MODES}, got {hccl!r} ('strict' only on "
+                            "Atlas 800T A2 / 900 A2 PoD / 200T A2 Box16)")
+    return {k: (hccl if k == "HCCL_DETERMINISTIC" else v) for k, v in ENV.items()}
+
+
+def check_timing(surface: Surface, hccl: str = "true") -> None:
+    """Refuse where a variable is not yet as required but its reader has already started, so that
+    setting it now would change nothing."""
+    late = []
+    for key, want in required_env(hccl).items():
+        if surface.environ.get(key) == want:
+            continue
+        reader = READ_BY[key]
+        started = surface.dist_initialized() if reader == "dist" else reader in surface.modules
+        if started:
+            late.append(f"{key} (is {surface.environ.get(key)!r}, required {want!r}; "
+                        + ("a torch.distributed process group already exists and HCCL read it at communicator "
+                           "creation" if reader == "dist" else f"{reader} is already imported and its config "
+                           "read it") + ")")
+    if late:
+        raise SettingsError("ascend: too late to set " + "; ".join(late) + ": export them in the launcher "
+                            "before Python starts (docs/ascend-backend.md)")
+
+
+def apply(surface: Surface, hccl: str = "true") -> None:
+    """Set every knob (after ``check_timing``: a variable set here is one nothing has read yet)."""
+    check_timing(surface, hccl)
+    for key, value in required_env(hccl).items():
+        surface.environ[key] = value
+    surface.torch_npu.npu.set_option(dict(OPTIONS))
     for dotted, value in NPU_FLAGS.items():
         obj, attr = _resolve(surface.torch_npu, dotted)
         setattr(obj, attr, value)
@@ -77,8 +123,9 @@ def apply(surface: Surface, hccl: str = "strict") -> None:
 
 
 def read_back(surface: Surface) -> dict:
-    """Every knob as it reads now (None where it is absent)."""
+    """Every knob as it reads now (None where it is absent; options as applied: they have no getter)."""
     out: dict[str, Any] = {f"env.{k}": surface.environ.get(k) for k in ENV}
+    out.update({f"option.{k}": f"{v} (applied through set_option; not readable)" for k, v in OPTIONS.items()})
     for dotted in NPU_FLAGS:
         try:
             obj, attr = _resolve(surface.torch_npu, dotted)
@@ -89,14 +136,15 @@ def read_back(surface: Surface) -> dict:
     return out
 
 
-def expected(hccl: str = "strict") -> dict:
-    want: dict[str, Any] = {f"env.{k}": (hccl if k == "HCCL_DETERMINISTIC" else v) for k, v in ENV.items()}
+def expected(hccl: str = "true") -> dict:
+    want: dict[str, Any] = {f"env.{k}": v for k, v in required_env(hccl).items()}
+    want.update({f"option.{k}": f"{v} (applied through set_option; not readable)" for k, v in OPTIONS.items()})
     want.update({f"torch_npu.{k}": v for k, v in NPU_FLAGS.items()})
     want["torch.deterministic_algorithms"] = True
     return want
 
 
-def verify(readback: dict, hccl: str = "strict") -> None:
+def verify(readback: dict, hccl: str = "true") -> None:
     """Raise SettingsError naming every knob that does not read back as required."""
     bad = [f"{k} = {readback.get(k)!r} (required {v!r})" for k, v in expected(hccl).items()
            if readback.get(k) != v]
@@ -104,7 +152,7 @@ def verify(readback: dict, hccl: str = "strict") -> None:
         raise SettingsError("ascend: settings did not read back as required: " + "; ".join(bad))
 
 
-def apply_and_verify(surface: Surface, hccl: str = "strict") -> dict:
+def apply_and_verify(surface: Surface, hccl: str = "true") -> dict:
     apply(surface, hccl)
     readback = read_back(surface)
     verify(readback, hccl)

@@ -6,22 +6,21 @@ splits, row blocks, vocabulary chunks, the rounding points); on Ascend only the 
 structure runs here with no second copy of the numerics.
 
 Under ``TRITON_INTERPRET=1`` these launches run on CPU tensors (CI): that proves the Ascend tile
-choices keep the invariances in the kernels' logic, not that triton-ascend compiles them. Known
-risks on real triton-ascend, unverified: the kernels pass ``enable_fp_fusion=False`` (the option may
-be named differently or ignored), use ``tl.div_rn``/``tl.sqrt_rn`` and integer bitcasts for the bf16
-rounding, and launch more programs than physical cores (triton-ascend maps them onto the cores).
+choices keep the invariances in the kernels' logic, not that triton-ascend compiles them. On an NPU
+the backend refuses this path (``probe.triton_ascend_refusal``): triton-ascend ignores
+``enable_fp_fusion``, lowers ``tl.div_rn``/``tl.sqrt_rn`` to plain divide/sqrt and does not support the
+uint32 bitcasts/shifts of ``round_to_bf16`` (api_facts.toml [triton_ascend]).
 """
 
 from __future__ import annotations
 
 import torch
 
-from hal.backends.ascend import mapping, tiles
+from hal.backends.ascend import tiles
 
 
 class TritonOps:
     def __init__(self, contract):
-        mapping.check_contract(contract)
         self.contract = contract
         from hal.backends.ascend.launch import ASCEND_LAUNCH
         from hal.kernels import attention, gemm, logprobs, rows

@@ -31,7 +31,7 @@ from hal.kernels.realises import CONTRACT_VALUES, HEAD_DIMS
 MIN_CAPABILITY = (8, 0)  # bf16 tensor-core MMA
 
 CAPABILITIES = Capabilities(
-    contracts=("bf16-dense-v1", "bf16-moe-v1"),
+    contracts=("bf16-dense-v1", "bf16-moe-v1", "bf16-ascend-v1"),
     dtypes=(torch.bfloat16, torch.float32),
     head_dims=HEAD_DIMS,
     page_sizes=None,  # any: a KV chunk that crosses pages is loaded key by key

@@ -9,7 +9,9 @@ Reduction structure (contract [attention], read from the ``Attention`` section: 
       an output element whose row sees a non-finite V entry is NaN; ``_chunk``)
       m' = max(m, rowmax s); alpha = exp2(m - m'); p = exp2(s - m') (0 where masked)
       p_r = round_act(p); rowsum = p_r @ ones (the MMA sums the same rounded P that multiplies V:
-      a generic tl.sum over the MMA-layout P changes bits with the tile shape)
+      a generic tl.sum over the MMA-layout P changes bits with the tile shape); with
+      [attention].row_sum = "sum_of_fp32_p" rowsum = p @ ones in fp32 ("ieee": FMA steps in key order)
+  [attention].exp = "exp" (scale = "multiply"): exp replaces exp2 everywhere (EXP2 = False)
       l = fl(fl(l * alpha) + rowsum); acc = fl(fl(acc * alpha) + p_r @ v)
   splits are merged in ascending order into (M, L, A), starting from (-inf, 0, 0):
       M' = max(M, m); a = exp2(M - M'); b = exp2(m - M'); L = fl(L*a) + fl(l*b); A = fl(A*a) + fl(acc*b)
@@ -81,10 +83,21 @@ def _coordinates(HEADS_FASTEST: tl.constexpr):
 
 
 @triton.jit
+def _exp(x, EXP2: tl.constexpr):
+    """[attention].exp: exp2 (scale folded with log2 e) or the natural exp (scale = "multiply")."""
+    if EXP2:
+        y = tl.exp2(x)
+    else:
+        y = tl.exp(x)
+    return y
+
+
+@triton.jit
 def _chunk(q, m, l, acc, n0, b, kvh, positions, seq_len, q_row_ok, ones, k_cache_ptr, v_cache_ptr, block_table_ptr,
            stride_bt, stride_kp, stride_kr, stride_kh, scale_log2e, offs_d,
            PAGE_SIZE: tl.constexpr, KV_CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr, IS_BF16: tl.constexpr,
-           UPCAST: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr):
+           UPCAST: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr, EXP2: tl.constexpr,
+           ROUNDED_SUM: tl.constexpr):
     """One KV chunk of the recurrence in the module docstring. MASKED=False only for chunks every
     row of the tile sees entirely; the unmasked formulas are the masked ones with every key visible.
     TMA: the chunk lies in one page and the caches are tensor descriptors of 2-D views whose rows
@@ -134,8 +147,8 @@ def _chunk(q, m, l, acc, n0, b, kvh, positions, seq_len, q_row_ok, ones, k_cache
         row_visits = tl.max(visible.to(tl.int32), axis=1) > 0
         m_new = tl.maximum(m, tl.max(s, axis=1))
         m_safe = tl.where(row_visits, m_new, 0.0)
-        alpha = tl.exp2(m - m_safe)
-        p = tl.where(visible, tl.exp2(s - m_safe[:, None]), 0.0)
+        alpha = _exp(m - m_safe, EXP2)
+        p = tl.where(visible, _exp(s - m_safe[:, None], EXP2), 0.0)
         # [attention].mask: a masked key contributes nothing, whatever its K and V hold (NaN, Inf,
         # a never-written slot). Its score is selected out above (a NaN s stays in its own column:
         # q.k is per key). Its V row is not: P is 0 there, but 0 * NaN = NaN inside P @ V, and a
@@ -152,19 +165,28 @@ def _chunk(q, m, l, acc, n0, b, kvh, positions, seq_len, q_row_ok, ones, k_cache
             sees_bad = tl.dot(visible.to(tl.float32), v_bad.to(tl.float32), input_precision="ieee") > 0
     else:
         m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        alpha = _exp(m - m_new, EXP2)
+        p = _exp(s - m_new[:, None], EXP2)
+    if not ROUNDED_SUM:
+        # [attention].row_sum = "sum_of_fp32_p": the fp32 P before its rounding, summed by an fp32
+        # "ieee" dot (FMA steps along the keys, the same for every tile shape), never a tl.sum tree
+        row_sum_fp32 = tl.max(tl.dot(p, tl.full((KV_CHUNK, 16), 1.0, dtype=tl.float32), input_precision="ieee"),
+                              axis=1)
     if IS_BF16:
         if UPCAST:  # the interpreter's .to(bf16) truncates; keep fp32 operands holding bf16 values
             p = round_to_bf16(p)
         else:  # round-to-nearest-even, the same bits as round_to_bf16
             p = p.to(tl.bfloat16)
     if IS_BF16 and not UPCAST:
-        row_sum = tl.max(tl.dot(p, ones), axis=1)
+        if ROUNDED_SUM:
+            row_sum = tl.max(tl.dot(p, ones), axis=1)
         pv = tl.dot(p, v)
     else:
-        row_sum = tl.max(tl.dot(p, ones, input_precision="ieee"), axis=1)
+        if ROUNDED_SUM:
+            row_sum = tl.max(tl.dot(p, ones, input_precision="ieee"), axis=1)
         pv = tl.dot(p, v, input_precision="ieee")
+    if not ROUNDED_SUM:
+        row_sum = row_sum_fp32
     l_new = l * alpha + row_sum
     acc_new = acc * alpha[:, None] + pv
     if MASKED:
@@ -184,12 +206,12 @@ def _chunk(q, m, l, acc, n0, b, kvh, positions, seq_len, q_row_ok, ones, k_cache
 
 
 @triton.jit
-def _merge(big_m, big_l, big_a, m, l, acc, merging):
+def _merge(big_m, big_l, big_a, m, l, acc, merging, EXP2: tl.constexpr):
     """Fold one split's (m, l, acc) into (M, L, A) for the rows in ``merging``."""
     m_merged = tl.maximum(big_m, m)
     m_ref = tl.where(merging, m_merged, 0.0)
-    a = tl.exp2(big_m - m_ref)
-    bb = tl.exp2(m - m_ref)
+    a = _exp(big_m - m_ref, EXP2)
+    bb = _exp(m - m_ref, EXP2)
     l_merged = big_l * a + l * bb
     a_merged = big_a * a[:, None] + acc * bb[:, None]
     big_m = tl.where(merging, m_merged, big_m)
@@ -211,7 +233,8 @@ def _store_split(part_m_ptr, part_l_ptr, part_a_ptr, m, l, acc, split_index, row
 @triton.jit
 def _end_of_chunk(big_m, big_l, big_a, m, l, acc, n0, hi, q_row_ok, positions, token, head, num_q_heads, max_splits,
                   part_m_ptr, part_l_ptr, part_a_ptr, offs_d, HEAD_DIM: tl.constexpr, KV_CHUNK: tl.constexpr,
-                  KV_SPLIT: tl.constexpr, SPLIT_PARALLEL: tl.constexpr, SPLITS_PER_PROGRAM: tl.constexpr):
+                  KV_SPLIT: tl.constexpr, SPLIT_PARALLEL: tl.constexpr, SPLITS_PER_PROGRAM: tl.constexpr,
+                  EXP2: tl.constexpr):
     """After the chunk at n0: if it was its split's last chunk, hand the split on and restart the
     split state. An in-kernel walk merges it into (M, L, A); a program of parallel splits stores it
     as that split's partial (its last split is stored after the loop). Rows that see the split only."""
@@ -227,7 +250,7 @@ def _end_of_chunk(big_m, big_l, big_a, m, l, acc, n0, hi, q_row_ok, positions, t
     else:
         if (n0 + KV_CHUNK) % KV_SPLIT == 0:
             merging = q_row_ok & (positions >= n0 + KV_CHUNK - KV_SPLIT)
-            big_m, big_l, big_a = _merge(big_m, big_l, big_a, m, l, acc, merging)
+            big_m, big_l, big_a = _merge(big_m, big_l, big_a, m, l, acc, merging, EXP2)
             m = tl.full(m.shape, float("-inf"), dtype=tl.float32)
             l = tl.zeros(l.shape, dtype=tl.float32)
             acc = tl.zeros(acc.shape, dtype=tl.float32)
@@ -243,7 +266,7 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part
                       HEAD_SPLIT: tl.constexpr, HEADS_FASTEST: tl.constexpr, SPLITS_PER_PROGRAM: tl.constexpr,
                       BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT_PARALLEL: tl.constexpr,
                       IS_BF16: tl.constexpr, UPCAST: tl.constexpr, KV_CHUNK: tl.constexpr, BLOCK_B: tl.constexpr,
-                      TMA: tl.constexpr):
+                      TMA: tl.constexpr, EXP2: tl.constexpr, ROUNDED_SUM: tl.constexpr):
     """k_cache_ptr, v_cache_ptr: pointers, or with TMA tensor descriptors (``_chunk``)."""
     tile_index, head_program, split = _coordinates(HEADS_FASTEST)
     # Highest tile first: later tiles of a sequence see more keys, so the long ones start early.
@@ -295,17 +318,19 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part
     for n0 in range(lo, full_end, KV_CHUNK):
         m, l, acc = _chunk(q, m, l, acc, n0, b, kvh, positions, seq_len, q_row_ok, ones, k_cache_ptr, v_cache_ptr,
                            block_table_ptr, stride_bt, stride_kp, stride_kr, stride_kh, scale_log2e, offs_d,
-                           PAGE_SIZE, KV_CHUNK, HEAD_DIM, IS_BF16, UPCAST, False, TMA)
+                           PAGE_SIZE, KV_CHUNK, HEAD_DIM, IS_BF16, UPCAST, False, TMA, EXP2, ROUNDED_SUM)
         big_m, big_l, big_a, m, l, acc = _end_of_chunk(
             big_m, big_l, big_a, m, l, acc, n0, hi, q_row_ok, positions, token, head, num_q_heads, max_splits,
-            part_m_ptr, part_l_ptr, part_a_ptr, offs_d, HEAD_DIM, KV_CHUNK, KV_SPLIT, SPLIT_PARALLEL, SPLITS_PER_PROGRAM)
+            part_m_ptr, part_l_ptr, part_a_ptr, offs_d, HEAD_DIM, KV_CHUNK, KV_SPLIT, SPLIT_PARALLEL, SPLITS_PER_PROGRAM,
+            EXP2)
     for n0 in range(full_end, hi, KV_CHUNK):
         m, l, acc = _chunk(q, m, l, acc, n0, b, kvh, positions, seq_len, q_row_ok, ones, k_cache_ptr, v_cache_ptr,
                            block_table_ptr, stride_bt, stride_kp, stride_kr, stride_kh, scale_log2e, offs_d,
-                           PAGE_SIZE, KV_CHUNK, HEAD_DIM, IS_BF16, UPCAST, True, TMA)
+                           PAGE_SIZE, KV_CHUNK, HEAD_DIM, IS_BF16, UPCAST, True, TMA, EXP2, ROUNDED_SUM)
         big_m, big_l, big_a, m, l, acc = _end_of_chunk(
             big_m, big_l, big_a, m, l, acc, n0, hi, q_row_ok, positions, token, head, num_q_heads, max_splits,
-            part_m_ptr, part_l_ptr, part_a_ptr, offs_d, HEAD_DIM, KV_CHUNK, KV_SPLIT, SPLIT_PARALLEL, SPLITS_PER_PROGRAM)
+            part_m_ptr, part_l_ptr, part_a_ptr, offs_d, HEAD_DIM, KV_CHUNK, KV_SPLIT, SPLIT_PARALLEL, SPLITS_PER_PROGRAM,
+            EXP2)
 
     if SPLIT_PARALLEL:
         # The merge needs each token's position: one program and one row per token writes it.
@@ -318,7 +343,7 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part
     else:
         if (hi > 0) & ((tl.cdiv(hi, KV_CHUNK) * KV_CHUNK) % KV_SPLIT != 0):  # the last split was not full
             merging = q_row_ok & (positions >= (hi - 1) // KV_SPLIT * KV_SPLIT)
-            big_m, big_l, big_a = _merge(big_m, big_l, big_a, m, l, acc, merging)
+            big_m, big_l, big_a = _merge(big_m, big_l, big_a, m, l, acc, merging, EXP2)
         out = tl.div_rn(big_a, tl.where(q_row_ok, big_l, 1.0)[:, None])
         tl.store(out_ptr + token.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                  to_activation(out, IS_BF16), mask=q_row_ok[:, None])
@@ -326,7 +351,8 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part
 
 @triton.jit
 def _merge_kernel(part_m_ptr, part_l_ptr, part_a_ptr, part_pos_ptr, out_ptr, stride_ot, stride_oh, num_q_heads,
-                  max_splits, KV_SPLIT: tl.constexpr, HEAD_DIM: tl.constexpr, IS_BF16: tl.constexpr):
+                  max_splits, KV_SPLIT: tl.constexpr, HEAD_DIM: tl.constexpr, IS_BF16: tl.constexpr,
+                  EXP2: tl.constexpr):
     """Merge the splits of one (token, head) in ascending order; the same formula as in-kernel.
     The loop is not software-pipelined: 3 stages measured 15% slower at B = 1 x 32k keys, 6 within
     1-2%; eight splits loaded before they were folded made this kernel 10-33% slower at every
@@ -347,8 +373,8 @@ def _merge_kernel(part_m_ptr, part_l_ptr, part_a_ptr, part_pos_ptr, out_ptr, str
         l = tl.load(part_l_ptr + base + split)
         acc = tl.load(part_a_ptr + (base + split) * HEAD_DIM + offs_d)
         m_merged = tl.maximum(big_m, m)
-        a = tl.exp2(big_m - m_merged)
-        bb = tl.exp2(m - m_merged)
+        a = _exp(big_m - m_merged, EXP2)
+        bb = _exp(m - m_merged, EXP2)
         big_l = big_l * a + l * bb
         big_a = big_a * a + acc * bb
         big_m = m_merged
@@ -471,12 +497,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if tma is None:  # descriptors cost the host ~40 us a call; below 1024 query tokens they save < 1 us
         tma = shape["tma"] and tokens >= 1024
     tma = tma and _tma_ok(k_cache, v_cache, kv_chunk)
-    scale_log2e = spec.folded_scale(scale)
+    scale_log2e = spec.score_factor(scale)  # fl32(scale * log2 e), or fl32(scale) with the natural exp
     is_bf16 = q.dtype == torch.bfloat16
     per_program = min(splits_per_program, max_splits) if split_parallel else 1
     meta = dict(PAGE_SIZE=page, KV_SPLIT=split, GROUP_PAD=group_pad, HEAD_SPLIT=head_split,
                 SPLITS_PER_PROGRAM=per_program, HEADS_FASTEST=heads_fastest, BLOCK_Q=block_q, HEAD_DIM=head_dim,
                 IS_BF16=is_bf16, UPCAST=INTERPRET and is_bf16, KV_CHUNK=kv_chunk, BLOCK_B=BLOCK_B, TMA=tma,
+                EXP2=spec.exp == "exp2", ROUNDED_SUM=spec.row_sum == "sum_of_rounded_p",
                 num_warps=num_warps or shape["num_warps"], num_stages=num_stages or shape["num_stages"], **LAUNCH)
     strides = (q.stride(0), q.stride(1), block_table.stride(0), k_cache.stride(0), k_cache.stride(1),
                k_cache.stride(2), out.stride(0), out.stride(1))
@@ -497,7 +524,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             q, k_arg, v_arg, out, part_m, part_l, part_a, part_pos, query_start_loc, seq_lens, block_table,
             num_seqs, num_tiles, *strides, q_heads, max_splits, scale_log2e, group, SPLIT_PARALLEL=True, **meta)
         _merge_kernel[(tokens, q_heads)](part_m, part_l, part_a, part_pos, out, out.stride(0), out.stride(1), q_heads,
-                                         max_splits, KV_SPLIT=split, HEAD_DIM=head_dim, IS_BF16=is_bf16, **LAUNCH)
+                                         max_splits, KV_SPLIT=split, HEAD_DIM=head_dim, IS_BF16=is_bf16,
+                                         EXP2=spec.exp == "exp2", **LAUNCH)
     else:
         _attention_kernel[grid(1)](
             q, k_arg, v_arg, out, out, out, out, out, query_start_loc, seq_lens, block_table, num_seqs, num_tiles,

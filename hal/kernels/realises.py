@@ -20,13 +20,13 @@ _MAX_TILE = 1 << 20
 _CHOICES = {
     "gemm.accumulate_dtype": "float32", "gemm.chunk_order": "ascending", "gemm.bias": "fp32_before_rounding",
     "gemm.output_rounding": "nearest_even", "gemm.logits_dtype": "float32",
-    "attention.score_dtype": "float32", "attention.scale": "folded_log2e", "attention.exp": "exp2",
+    "attention.score_dtype": "float32",
     "attention.split_merge": "ascending_rescale", "attention.mask": "select_before_max",
-    "attention.p_dtype": "activation", "attention.row_sum": "sum_of_rounded_p",
+    "attention.p_dtype": "activation",
     "attention.online_update": "rescale_then_add", "attention.output": "divide_rn_then_round",
     "attention.gqa": "head_div_group",
     "rms_norm.compute_dtype": "float32", "rms_norm.residual_add": "fp32_add_round_to_activation",
-    "rms_norm.inv_rms": "div_rn_sqrt_rn", "rms_norm.weight_multiply": "fp32_round_once",
+    "rms_norm.weight_multiply": "fp32_round_once",
     "silu_mul.formula": "x_div_1p_exp_neg_x", "silu_mul.exp": "exp", "silu_mul.rounding": "fp32_round_once",
     "rope.style": "neox", "rope.table": "fp64_scalar_libm_fp32", "rope.fma": "none",
     "rope.rounding": "fp32_round_once",
@@ -37,6 +37,12 @@ _CHOICES = {
 
 CONTRACT_VALUES = {
     **{key: Allowed.one_of(value) for key, value in _CHOICES.items()},
+    # Choices with more than one implementation in the kernels' source (constexpr switches: EXP2 and
+    # ROUNDED_SUM in attention.py, MEAN_RECIPROCAL in rows.py); bf16-ascend-v1 uses the second of each.
+    "attention.scale": Allowed.one_of("folded_log2e", "multiply"),
+    "attention.exp": Allowed.one_of("exp2", "exp"),
+    "attention.row_sum": Allowed.one_of("sum_of_rounded_p", "sum_of_fp32_p"),
+    "rms_norm.inv_rms": Allowed.one_of("div_rn_sqrt_rn", "mul_reciprocal_div_rn_sqrt_rn"),
     # The KV chunk is the attention kernel's key tile: the row sum P @ ones reduces over it inside an
     # MMA, which needs at least 16. Above 128 keys the K and V tiles of a 128-wide head grow past what
     # the kernel's pipelined launch shapes were sized for: not offered until built and checked.

@@ -4,7 +4,8 @@ Reduction structure of RMSNorm and sum/mean (contract [rms_norm].row_block, [red
   the row is reduced in blocks of ROW_BLOCK elements at absolute offsets 0, ROW_BLOCK, ...; each
   block is one ``tl.sum`` over a loaded tile of BLOCK = min(ROW_BLOCK, next_pow2(n)) lanes (a tree
   fixed by that width: the same for every row, batch size and warp count); the block sums are
-  added in ascending order into an fp32 total that starts at +0.
+  added in ascending order into an fp32 total that starts at +0. RMSNorm's mean is div_rn(ss, n), or
+  with [rms_norm].inv_rms = "mul_reciprocal_div_rn_sqrt_rn" fl32(ss * div_rn(1, n)) (MEAN_RECIPROCAL).
 Pointwise ops have no reduction; their rounding points follow the contract, with no FMA.
 """
 
@@ -45,14 +46,19 @@ def _row_sum(x_ptr, res_ptr, n, SQUARE: tl.constexpr, HAS_RESIDUAL: tl.constexpr
 
 @triton.jit(do_not_specialize=["n"])
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n, stride_x, stride_r, stride_o, stride_ro, eps,
-                     HAS_RESIDUAL: tl.constexpr, IS_BF16: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, IS_BF16: tl.constexpr, BLOCK: tl.constexpr,
+                     MEAN_RECIPROCAL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     r_row = res_ptr + row * stride_r
     # The residual sum is recomputed in each pass instead of re-read from res_out: a load after a
     # store by other threads of the program would need a barrier.
     sum_sq = _row_sum(x_row, r_row, n, True, HAS_RESIDUAL, IS_BF16, BLOCK)
-    inv = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(sum_sq, n.to(tl.float32)) + eps))
+    if MEAN_RECIPROCAL:
+        mean_sq = sum_sq * tl.div_rn(1.0, n.to(tl.float32))
+    else:
+        mean_sq = tl.div_rn(sum_sq, n.to(tl.float32))
+    inv = tl.div_rn(1.0, tl.sqrt_rn(mean_sq + eps))
     for start in range(0, n, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         mask = offs < n
@@ -76,7 +82,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         _rms_norm_kernel[(x2.shape[0],)](x2, res2, weight, out, res_out, n, x2.stride(0), res2.stride(0),
                                          out.stride(0), res_out.stride(0), float(torch.tensor(eps).float()),
                                          HAS_RESIDUAL=residual is not None, IS_BF16=x.dtype == torch.bfloat16,
-                                         BLOCK=block, num_warps=num_warps or (8 if block >= 2048 else 4), **LAUNCH)
+                                         BLOCK=block, MEAN_RECIPROCAL=spec.inv_rms == "mul_reciprocal_div_rn_sqrt_rn",
+                                         num_warps=num_warps or (8 if block >= 2048 else 4), **LAUNCH)
     return out.view(x.shape), (res_out.view(x.shape) if residual is not None else None)
 
 

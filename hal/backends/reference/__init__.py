@@ -51,7 +51,7 @@ class ReferenceBackend(Backend):
     name = "reference"
     description = "pure PyTorch, contract-exact and invariant by construction (CPU or any torch device)"
     kind = "cpu"
-    contracts = ("bf16-dense-v1", "bf16-moe-v1")
+    contracts = ("bf16-dense-v1", "bf16-moe-v1", "bf16-ascend-v1")
     dtypes = (torch.bfloat16, torch.float32)
 
     @classmethod
@@ -92,7 +92,10 @@ class ReferenceBackend(Backend):
             xf = residual_out.float()
         n = x.shape[-1]
         sum_sq = blocked_sum_fp32(xf.double().square(), spec.row_block, _square_bits(dtype))
-        mean_sq = _fdiv(sum_sq, float(n))
+        if spec.inv_rms == "mul_reciprocal_div_rn_sqrt_rn":    # mean = fl32(ss * fl32(1 / n))
+            mean_sq = sum_sq * _fdiv(torch.ones_like(sum_sq), float(n))
+        else:                                                  # mean = fl32(ss / n)
+            mean_sq = _fdiv(sum_sq, float(n))
         eps32 = torch.tensor(eps, dtype=torch.float32, device=x.device)
         inv = _fdiv(torch.ones_like(mean_sq), _fsqrt(mean_sq + eps32))
         out = ((xf * inv.unsqueeze(-1)) * weight.float()).to(dtype)

@@ -2,17 +2,18 @@
 
 Reduction structure (bf16-dense-v1: kv_chunk = 64, kv_split = 512):
   score[i, j] = correctly rounded fp32 of q_i . k_j            (head-dim dot, order-free)
-  s[i, j]     = fl32(score * fl32(scale * log2 e))
+  s[i, j]     = fl32(score * fl32(scale * log2 e))   (scale = "multiply": fl32(score * fl32(scale)))
   keys are visited in splits of S = split_size(seq_len) at absolute positions 0, S, 2S, ...
   (kv_split; one split over the whole context when it is 0);
   inside a split, KV chunks of kv_chunk keys at absolute positions c*C, in ascending order:
       masked keys (j > position of query i) are selected out before the max
       m'    = max(m, max_j s)                                  (exact)
-      alpha = exp2(m - m')
+      alpha = exp2(m - m')                                     (exp = "exp": exp, here and below)
       p     = exp2(s - m'), exact 0 where masked; p_r = round_act(p)
       masked keys contribute nothing even when their K or V is NaN/Inf (selected, never
       multiplied by 0); an output element whose query sees a non-finite V entry is NaN
-      l     = fl(fl(l * alpha) + rowsum(p_r))                  (rowsum correctly rounded)
+      l     = fl(fl(l * alpha) + rowsum(p_r))                  (rowsum correctly rounded; of the
+                                                                fp32 p for row_sum = "sum_of_fp32_p")
       acc   = fl(fl(acc * alpha) + p_r @ v)                    (each dot correctly rounded)
   splits are merged into the running (M, L, A) in ascending order:
       M' = max(M, m); a = exp2(M - M'); b = exp2(m - M')
@@ -28,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from hal.backend import AttentionMetadata
-from hal.backends.reference.exact import MANTISSA_BITS, exp2_fp32, matmul_fp32, sum_fp32
+from hal.backends.reference.exact import MANTISSA_BITS, exp2_fp32, exp_fp32, matmul_fp32, sum_fp32
 from hal.contract import Attention
 from hal.errors import UnsupportedError
 
@@ -61,7 +62,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     check_attention_inputs(q, k_cache, v_cache, meta)
     hq, hkv, page = q.shape[1], k_cache.shape[2], k_cache.shape[1]
     head_map = torch.arange(hq, device=q.device) // (hq // hkv)          # [attention].gqa
-    scale_log2e = torch.tensor(spec.folded_scale(scale), dtype=torch.float32, device=q.device)
+    scale_log2e = torch.tensor(spec.score_factor(scale), dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
     starts, seq_lens, table = meta.host_lists()
     for b, seq_len in enumerate(seq_lens):
@@ -86,6 +87,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 def _online_softmax(s: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, spec: Attention) -> torch.Tensor:
     heads, q_len, seq_len = s.shape
     dtype = v.dtype
+    exp = exp2_fp32 if spec.exp == "exp2" else exp_fp32       # [attention].exp (validated with its scale)
+    rounded_sum = spec.row_sum == "sum_of_rounded_p"
     chunk = spec.kv_chunk
     split = spec.split_size(seq_len)
     keys = torch.arange(seq_len, device=s.device)
@@ -102,10 +105,11 @@ def _online_softmax(s: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, s
             valid = keys[c0:c1].unsqueeze(0) <= positions.unsqueeze(1)     # (ql, C)
             sc = torch.where(valid, s[:, :, c0:c1], _NEG_INF)
             m_new = torch.maximum(m, sc.amax(-1))
-            alpha = exp2_fp32(m - m_new)
-            p = torch.where(valid, exp2_fp32(sc - m_new.unsqueeze(-1)), 0.0)
+            alpha = exp(m - m_new)
+            p = torch.where(valid, exp(sc - m_new.unsqueeze(-1)), 0.0)
             p_r = p.to(dtype)
-            row_sum = sum_fp32(p_r.double(), MANTISSA_BITS[dtype])
+            # [attention].row_sum: the rounded P that multiplies V, or the fp32 P before the rounding
+            row_sum = sum_fp32(p_r.double(), MANTISSA_BITS[dtype]) if rounded_sum else sum_fp32(p.double(), 24)
             # [attention].mask: a masked key contributes nothing whatever its V holds. p_r is 0 there,
             # but 0 * NaN (or Inf) is NaN inside p_r @ v, so non-finite V entries are selected to 0
             # (exact: finite values pass unchanged) and the (query, dim) outputs whose query sees
@@ -122,8 +126,8 @@ def _online_softmax(s: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, s
             acc = torch.where(visits.view(1, -1, 1), acc_new, acc)
         merging = positions >= split_start
         m_merged = torch.maximum(big_m, m)
-        a = exp2_fp32(big_m - m_merged)
-        b = exp2_fp32(m - m_merged)
+        a = exp(big_m - m_merged)
+        b = exp(m - m_merged)
         l_merged = big_l * a + l * b
         a_merged = big_a * a.unsqueeze(-1) + acc * b.unsqueeze(-1)
         big_m = torch.where(merging, m_merged, big_m)
