@@ -6,7 +6,7 @@ the cuda backend under many launch shapes on the same random inputs and checks t
 is bitwise equal (``torch.equal``) to the first one. As a negative control it also changes a
 contract number (k_chunk, kv_chunk, row block) and checks that the bits *do* change.
 
-    python bench/tile_freedom.py --json results.json
+    python bench/tile_freedom.py --json results.json [--contract bf16-ascend-v1]
 """
 
 from __future__ import annotations
@@ -155,8 +155,10 @@ def row_cases(backend, g):
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", required=True)
+    parser.add_argument("--contract", default=None, help="contract name (default: the cuda backend's first); "
+                                                         "e.g. bf16-ascend-v1 for its natural-exp, fp32-row-sum attention")
     args = parser.parse_args()
-    backend = create_backend("cuda")
+    backend = create_backend("cuda", args.contract)
     g = torch.Generator().manual_seed(0)
     start = time.time()
     results = []
@@ -167,7 +169,8 @@ def main() -> int:
     ok = all((r["identical"] == r["launches"] or not r.get("free", True)) and r["contract_change_changes_bits"]
              for r in results)
     with open(args.json, "w") as f:
-        json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, ok=ok, results=results), f,
+        json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, contract=str(backend.contract),
+                       ok=ok, results=results), f,
                   indent=2)
     print(f"{'kernel':<12} {'dtype':<15} {'identical':>10} {'contract change':>16}  shape")
     for r in results:

@@ -146,6 +146,37 @@ def _(binding, k, v, k_cache, v_cache, slot_mapping):
     return None
 
 
+@torch.library.custom_op("hal::moe_route", mutates_args=())
+def moe_route(binding: str, router_logits: torch.Tensor, correction_bias: torch.Tensor | None, num_experts: int,
+              top_k: int, scoring: str, renormalize: bool, num_groups: int, topk_groups: int,
+              scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``Backend.moe_route`` with the ``hal.moe.Routing`` fields as scalars."""
+    from hal.moe import Routing
+
+    routing = Routing(num_experts, top_k, scoring, renormalize, num_groups, topk_groups, scaling)
+    return backend_for(binding).moe_route(router_logits, routing, correction_bias)
+
+
+@moe_route.register_fake
+def _(binding, router_logits, correction_bias, num_experts, top_k, scoring, renormalize, num_groups, topk_groups,
+      scaling):
+    t = router_logits.shape[0]
+    return (router_logits.new_empty((t, top_k), dtype=torch.float32),
+            router_logits.new_empty((t, top_k), dtype=torch.int32))
+
+
+@torch.library.custom_op("hal::moe_experts", mutates_args=())
+def moe_experts(binding: str, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor, shared: torch.Tensor | None) -> torch.Tensor:
+    return backend_for(binding).moe_experts(x, w13, w2, topk_weights, topk_ids, shared)
+
+
+@moe_experts.register_fake
+def _(binding, x, w13, w2, topk_weights, topk_ids, shared):
+    return torch.empty_like(x)
+
+
 #: every op of this module (what the opcheck test covers)
 OPS = {"linear": linear, "rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "silu_mul": silu_mul,
-       "rotary": rotary, "log_softmax": log_softmax, "attention": attention, "write_kv": write_kv}
+       "rotary": rotary, "log_softmax": log_softmax, "attention": attention, "write_kv": write_kv,
+       "moe_route": moe_route, "moe_experts": moe_experts}

@@ -308,6 +308,25 @@ def test_negative_controls_per_rank_partial_sums_and_the_stock_moe_change_the_bi
     assert not torch.equal(stock.moe_experts(x, w13, w2, stock_weights, placed_ids), stock_out)
 
 
+def test_cuda_grouped_expert_gemm_gives_each_slot_the_dense_gemms_bits(cuda):
+    """The cuda backend's grouped GEMM over expert-sorted slots equals, bit for bit, each expert's
+    rows through the dense GEMM kernel one expert at a time (``hal.moe.experts`` on the same backend)."""
+    from hal.kernels.moe import sort_slots
+
+    routing = Routing(E, 3, renormalize=True)
+    for dtype in (torch.bfloat16, torch.float32):
+        x, w = tokens(dtype, count=10, hidden=CUDA_H), layer_weights(dtype, hidden=CUDA_H, inter=CUDA_I)
+        weights, ids = cuda.moe_route(cuda.linear(x, w["router"], out_dtype=torch.float32), routing)
+        grouped = cuda.moe_experts(x, w["w13"], w["w2"], weights, ids)
+        assert torch.equal(grouped, moe.experts(cuda, x, w["w13"], w["w2"], weights, ids))
+    slots = sort_slots(ids, E, 16)
+    token, position, tile_expert = slots.token.long(), slots.position, slots.tile_expert.long()
+    assert sorted(position.flatten().tolist()) == sorted(set(position.flatten().tolist()))   # one place per slot
+    assert torch.equal(token[position], torch.arange(10).unsqueeze(-1).expand(10, 3))
+    assert torch.equal(tile_expert[position // 16], ids.long())      # every slot sits in its expert's tile
+    assert (token >= 0).sum() == ids.numel()
+
+
 # ---------------------------------------------------------------------------------------------
 # The model: training equals rollout, gradients, checkpoints
 # ---------------------------------------------------------------------------------------------

@@ -28,7 +28,8 @@ HEAD_DIM = 64
 
 @pytest.fixture(scope="module", params=["reference", "cuda"])
 def bound(request):
-    backend = backend_for_tests(request.param)
+    backend_for_tests(request.param)          # skips cuda unless its kernels are interpreted
+    backend = create_backend(request.param, "bf16-moe-v1")   # the dense ops, and the MoE ops too
     key = torch_ops.bind(f"test-{request.param}", lambda: backend)
     yield key, backend
     torch_ops.unbind(key)
@@ -60,6 +61,10 @@ def _args(key, k_dim=64, vocab=40, width=32, seq=5):
             (slots // page, slots % page), k), v.new_zeros(cache.v.shape).index_put_((slots // page, slots % page), v),
             meta.query_start_loc, meta.seq_lens, meta.block_table, 0.125),
         "write_kv": (key, k, v, cache.k, cache.v, slots),
+        "moe_route": (key, r(3, 8, dtype=torch.float32), r(8, dtype=torch.float32) * 0.1, 8, 3, "sigmoid", True,
+                      4, 2, 2.5),
+        "moe_experts": (key, r(3, k_dim), r(8, 2 * width, k_dim) * k_dim ** -0.5, r(8, k_dim, width) * width ** -0.5,
+                        torch.rand(3, 2, generator=g), torch.tensor([[1, 6], [6, 0], [3, 1]], dtype=torch.int32), None),
     }
 
 
@@ -84,6 +89,10 @@ def _method_result(backend, op, args):
         k, v, kc, vc, slots = a
         backend.write_kv(k, v, kc, vc, slots)
         return kc, vc
+    if op == "moe_route":
+        from hal.moe import Routing
+        logits, bias, *routing = a
+        return backend.moe_route(logits, Routing(*routing), bias)
     return getattr(backend, op)(*a)
 
 
@@ -96,9 +105,9 @@ def _equal(a, b):
 @pytest.mark.parametrize("op", sorted(torch_ops.OPS))
 def test_custom_op_gives_the_backend_methods_bits(op):
     """Sizes that cross the contract's chunk boundaries (reference: fast on CPU at these sizes)."""
-    backend = create_backend("reference")
+    backend = create_backend("reference", "bf16-moe-v1")
     key = torch_ops.bind("test-bits", lambda: backend)
-    args = _args(key, k_dim=1100, vocab=8300, width=4200, seq=70)[op]
+    args = _args(key, k_dim=1100, vocab=8300, width=4200 if op != "moe_experts" else 600, seq=70)[op]
     if op == "write_kv":
         k, v, kc, vc, slots = args[1:]
         kc2, vc2 = kc.clone(), vc.clone()

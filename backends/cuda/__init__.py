@@ -153,8 +153,9 @@ class CudaBackend(Backend):
         return self._moe.route(router_logits, routing, correction_bias, self.contract.reduce)
 
     def moe_experts(self, x, w13, w2, topk_weights, topk_ids, shared=None):
-        # Each expert's rows through the contract GEMM and silu_mul kernels (batch-invariant, so a
-        # slot's bits do not depend on its expert's other tokens), then the rank-order combine.
+        # The grouped expert GEMM over expert-sorted slots (hal/kernels/moe.py): each slot's bits are
+        # the dense GEMM's of its token's row, so they do not depend on the expert's other tokens.
         moe.check_contract(self)
         self.check_devices("moe_experts", x, w13, w2, topk_weights, topk_ids, shared)
-        return moe.experts(self, x, w13, w2, topk_weights, topk_ids, shared)
+        return self._moe.experts(x.contiguous(), w13, w2, topk_weights, topk_ids, shared, self.contract.gemm,
+                                 self._rows.silu_mul)

@@ -1,9 +1,18 @@
-"""Mixture-of-experts routing kernel ([moe]; the steps are written out in ``hal/moe.py``).
+"""Mixture-of-experts kernels ([moe]; the steps are written out in ``hal/moe.py``): routing, and the
+grouped expert GEMM over token-sorted slots.
 
-One program per token row: the whole row of E router logits is one tile of E_PAD lanes, so nothing
-about a row's bits depends on the other rows or on the batch size.
+Routing: one program per token row: the whole row of E router logits is one tile of E_PAD lanes, so
+nothing about a row's bits depends on the other rows or on the batch size.
 
-Reduction structure:
+Grouped GEMM (``grouped_linear``): the (token, rank) slots are sorted by expert and each expert's run
+padded to whole BLOCK_M tiles (``sort_slots``, on the GPU, no host synchronisation); a program owns
+one (BLOCK_M, BLOCK_N) tile of one expert, gathers its rows, and reduces K exactly as the dense GEMM
+(``hal/kernels/gemm.py``, direct launch): chunks of K_CHUNK at absolute offsets, each from zero by
+``tl.dot`` steps, chunk sums added in ascending order from +0, one rounding. A slot's output is
+therefore the dense ``linear`` of its token's row alone: which tokens share the expert, how many
+there are and where the expert sits change only which tile the row lands in, never its bits.
+
+Routing reduction structure:
   softmax: max over the row (exact), e = exp(fl32(x - max)), S = one ``tl.sum`` over the E_PAD lanes
   (masked lanes hold 0; the tree is fixed by E_PAD: the [reduce] row block when E <= row_block, which
   is the only case launched), p = div_rn(e, S). Sigmoid: div_rn(1, fl32(1 + exp(-x))).
@@ -15,13 +24,15 @@ No FMA: every launch passes ``enable_fp_fusion=False``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
-from hal.contract import Reduce
+from hal.contract import Gemm, Reduce
 from hal.errors import UnsupportedError
-from hal.kernels.common import LAUNCH, next_power_of_2
+from hal.kernels.common import INTERPRET, LAUNCH, next_power_of_2, to_activation
 
 
 @triton.jit
@@ -106,3 +117,146 @@ def route(router_logits: torch.Tensor, routing, correction_bias: torch.Tensor | 
             GROUP_SIZE=num_experts // routing.num_groups, G_PAD=next_power_of_2(routing.num_groups),
             E_PAD=next_power_of_2(num_experts), num_warps=4, **LAUNCH)
     return weights, ids
+
+
+# ---------------------------------------------------------------------------------------------
+# The grouped expert GEMM
+# ---------------------------------------------------------------------------------------------
+
+@triton.jit(do_not_specialize=["num_tiles", "N", "K"])
+def _grouped_gemm_kernel(x, w, rows_ptr, tile_expert_ptr, out_ptr, num_tiles, N, K,
+                         stride_xm, stride_we, stride_wn, stride_om,
+                         K_CHUNK: tl.constexpr, OUT_BF16: tl.constexpr, FP32_INPUTS: tl.constexpr,
+                         UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[p] = x[rows[p]] @ w[e].T for the sorted positions p of each tile (e: the tile's expert)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(tile_expert_ptr + pid_m)
+    if expert >= 0:                                   # tiles past the last expert's run: nothing to do
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        rows = tl.load(rows_ptr + offs_m)
+        row_ok = rows >= 0                            # padding positions read zeros, store nothing
+        w_e = w + expert.to(tl.int64) * stride_we
+        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + offs_k
+            a = tl.load(x + rows.to(tl.int64)[:, None] * stride_xm + ks[None, :],
+                        mask=row_ok[:, None] & (ks[None, :] < K), other=0.0)
+            b = tl.load(w_e + offs_n[None, :] * stride_wn + ks[:, None],
+                        mask=(offs_n[None, :] < N) & (ks[:, None] < K), other=0.0)
+            if UPCAST:  # the interpreter cannot do bf16 arithmetic; the upcast is exact
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            if FP32_INPUTS or UPCAST:
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+            if ((k0 + BLOCK_K) % K_CHUNK == 0) | (k0 + BLOCK_K >= K):   # the chunk's last step
+                total = total + acc
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :],
+                 to_activation(total, OUT_BF16), mask=row_ok[:, None] & (offs_n[None, :] < N))
+
+
+@dataclass(frozen=True)
+class SortedSlots:
+    """The (token, rank) slots of one MoE call sorted by expert, each expert's run padded to whole
+    tiles of ``block_m`` positions. ``token[p]``: the token at sorted position p (-1: padding);
+    ``position[t, r]``: where slot (t, r) sits; ``tile_expert[i]``: the expert of tile i (-1: unused)."""
+
+    block_m: int
+    token: torch.Tensor          # (P,) int32
+    position: torch.Tensor       # (T, k) int64
+    tile_expert: torch.Tensor    # (P // block_m,) int32
+
+    @property
+    def positions(self) -> int:
+        return self.token.shape[0]
+
+
+def sort_slots(ids: torch.Tensor, num_experts: int, block_m: int) -> SortedSlots:
+    """Sort the slots by expert on the device, without a host synchronisation: the padded length is
+    the bound T*k + E*(block_m - 1) rounded up to a tile, whatever the routing."""
+    t, k = ids.shape
+    device = ids.device
+    flat = ids.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)                       # slots, grouped by expert
+    counts = torch.bincount(flat, minlength=num_experts)
+    padded = (counts + block_m - 1) // block_m * block_m
+    run_start = torch.cumsum(padded, 0) - padded                   # each expert's first position
+    count_start = torch.cumsum(counts, 0) - counts
+    sorted_experts = flat[order]
+    rank_in_run = torch.arange(t * k, device=device) - count_start[sorted_experts]
+    sorted_position = run_start[sorted_experts] + rank_in_run
+    total = -(-(t * k + num_experts * (block_m - 1)) // block_m) * block_m
+    token = torch.full((total,), -1, dtype=torch.int32, device=device)
+    token[sorted_position] = (order // k).to(torch.int32)
+    position = torch.empty(t * k, dtype=torch.long, device=device)
+    position[order] = sorted_position
+    tile_start = torch.arange(0, total, block_m, device=device)
+    run_end = run_start + padded
+    tile_expert = torch.searchsorted(run_end, tile_start, right=True).to(torch.int32)
+    tile_expert = torch.where(tile_expert < num_experts, tile_expert, -1).to(torch.int32)
+    return SortedSlots(block_m, token, position.view(t, k), tile_expert)
+
+
+def _grouped_config(slots_per_expert: float, n: int) -> dict:
+    """Tiles (free: the bits do not depend on them). BLOCK_M follows the expected rows per expert."""
+    if INTERPRET:
+        return dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=1)
+    if slots_per_expert <= 32:
+        return dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
+    return dict(BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4)
+
+
+def block_m_for(slots: int, num_experts: int) -> int:
+    if INTERPRET:
+        return 16
+    per_expert = slots / max(1, num_experts)
+    return 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor, sorted_slots: SortedSlots,
+                   out_dtype: torch.dtype, spec: Gemm) -> torch.Tensor:
+    """(P, N) ``out_dtype``: sorted position p holds ``x[rows[p]] @ weight[e].T`` (e: its tile's expert),
+    K reduced as [gemm] says; rows -1 (padding) stay zero. x: (R, K); weight: (E, N, K)."""
+    e, n, k = weight.shape
+    p = sorted_slots.positions
+    out = torch.zeros((p, n), device=x.device, dtype=out_dtype)   # padding rows: zeros, not garbage
+    if p == 0 or n == 0:
+        return out
+    cfg = _grouped_config(p / max(1, e), n)
+    if spec.k_chunk % cfg["BLOCK_K"]:
+        raise UnsupportedError(f"grouped GEMM: BLOCK_K {cfg['BLOCK_K']} must divide k_chunk {spec.k_chunk}")
+    x = x.contiguous()
+    weight = weight.contiguous()
+    grid = (p // sorted_slots.block_m, triton.cdiv(n, cfg["BLOCK_N"]))
+    _grouped_gemm_kernel[grid](
+        x, weight, rows, sorted_slots.tile_expert, out, grid[0], n, k, x.stride(0), weight.stride(0),
+        weight.stride(1), out.stride(0), K_CHUNK=spec.k_chunk, OUT_BF16=out_dtype == torch.bfloat16,
+        FP32_INPUTS=x.dtype == torch.float32, UPCAST=INTERPRET and x.dtype != torch.float32,
+        BLOCK_M=sorted_slots.block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **LAUNCH)
+    return out
+
+
+def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+            topk_ids: torch.Tensor, shared: torch.Tensor | None, spec: Gemm, silu_mul) -> torch.Tensor:
+    """The expert half of an MoE layer without a host synchronisation: sort the slots, the gate/up
+    grouped GEMM (rounded to the activation dtype), ``silu_mul`` (the backend's kernel), the down
+    grouped GEMM (fp32), then the rank-order combine of ``hal.moe.combine``."""
+    from hal.moe import combine
+
+    t, k = topk_ids.shape
+    num_experts = w13.shape[0]
+    slots = sort_slots(topk_ids, num_experts, block_m_for(t * k, num_experts))
+    gate_up = grouped_linear(x, w13, slots.token, slots, x.dtype, spec)
+    act = silu_mul(gate_up)
+    # the down projection reads the activations in sorted order: row p of act is position p
+    own = torch.where(slots.token >= 0, torch.arange(slots.positions, device=x.device, dtype=torch.int32),
+                      torch.full_like(slots.token, -1))
+    down = grouped_linear(act, w2, own, slots, torch.float32, spec)
+    return combine(down[slots.position], topk_weights, shared, x.dtype)

@@ -24,11 +24,23 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 from hal.backend import Backend
 from hal.errors import HalError
 from hal.vllm.binding import EngineBinding
-from hal.vllm.quant import HalConfig, HalLinearMethod, HalLMHeadMethod
+from hal.vllm.quant import HalConfig, HalLinearMethod, HalLMHeadMethod, HalRouterMethod
+
+
+def _moe_kinds() -> tuple[type, ...]:
+    """vLLM's MoE layer (the runner a model calls; it calls the router and the experts' quant method)."""
+    try:
+        from vllm.model_executor.layers.fused_moe.runner.moe_runner_interface import MoERunnerInterface
+    except ImportError:        # a vLLM without this layer builds no MoE model the plugin routes
+        return ()
+    return (MoERunnerInterface,)
+
+
+MOE_KINDS = _moe_kinds()
 
 #: module kinds whose forward must call the HAL in a HAL-bound engine (the lm_head is probed apart:
 #: vLLM calls its quant method from the logits processor, never its forward)
-ROUTED_KINDS = (LinearBase, RMSNorm, SiluAndMul, RotaryEmbeddingBase, Attention)
+ROUTED_KINDS = (LinearBase, RMSNorm, SiluAndMul, RotaryEmbeddingBase, Attention, *MOE_KINDS)
 
 #: tokens of the probe's dummy forward
 PROBE_TOKENS = 8
@@ -150,8 +162,15 @@ def routed_binding(module: torch.nn.Module) -> tuple[str | None, EngineBinding |
     """(the routed kind of ``module`` or None, the binding its HAL route holds or None)."""
     if isinstance(module, (LinearBase, ParallelLMHead)):
         method = getattr(module, "quant_method", None)
-        config = getattr(method, "config", None) if isinstance(method, (HalLinearMethod, HalLMHeadMethod)) else None
+        routed = isinstance(method, (HalLinearMethod, HalLMHeadMethod, HalRouterMethod))
+        config = getattr(method, "config", None) if routed else None
         return type(module).__name__, config.binding if config is not None else None
+    if MOE_KINDS and isinstance(module, MOE_KINDS):
+        from hal.vllm.moe import HalFusedMoEMethod
+
+        method = getattr(getattr(module, "routed_experts", None), "quant_method", None)
+        config = method.config if isinstance(method, HalFusedMoEMethod) else None
+        return f"MoE ({type(method).__name__})", config.binding if config is not None else None
     if isinstance(module, (RMSNorm, SiluAndMul, RotaryEmbedding)):
         config = getattr(module, "hal", None)
         return type(module).__name__, config.binding if config is not None else None

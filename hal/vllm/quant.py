@@ -23,7 +23,7 @@ import torch
 
 from vllm.config import get_current_vllm_config
 from vllm.model_executor.layers.attention import Attention
-from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase, UnquantizedLinearMethod
 from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 from vllm.model_executor.layers.vocab_parallel_embedding import (
@@ -134,8 +134,14 @@ class HalConfig(QuantizationConfig):
             # as in the trainer), and a tied model's logits come from it (vLLM 0.26's Qwen3 makes the
             # embedding its lm_head when tie_word_embeddings is set, so its apply is the logits GEMM).
             return HalLMHeadMethod(self)
+        if _is_moe_router(layer):
+            return HalRouterMethod(self)
         if isinstance(layer, LinearBase):
             return HalLinearMethod(self)
+        if _is_moe_experts(layer):
+            from hal.vllm.moe import HalFusedMoEMethod
+
+            return HalFusedMoEMethod(self, layer, prefix)
         if isinstance(layer, Attention):
             _require_gpu_routes(layer)
             return None                            # no KV-cache quantization; attention: hal.vllm.attention
@@ -230,6 +236,33 @@ class HalLMHeadMethod(_HalGemm, UnquantizedEmbeddingMethod):
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return torch.ops.hal.linear(self.config.op_key, x, layer.weight, bias, True)
+
+
+class HalRouterMethod(_HalGemm, LinearMethodBase):
+    """An MoE router (vLLM's ``GateLinear``): the HAL linear with fp32 logits ([moe].router_logits), as the
+    trainer's MoE block computes them. Not an ``UnquantizedLinearMethod``: GateLinear sends an
+    unquantized gate to its own GEMM kernels on some GPUs, and a quantized one through this method."""
+
+    create_weights = UnquantizedLinearMethod.create_weights   # vLLM's plain (N, K) weight
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.ops.hal.linear(self.config.op_key, x, layer.weight, bias, True)
+
+
+def _is_moe_router(layer: torch.nn.Module) -> bool:
+    try:
+        from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
+    except ImportError:          # a vLLM without this layer has no router to route
+        return False
+    return isinstance(layer, GateLinear)
+
+
+def _is_moe_experts(layer: torch.nn.Module) -> bool:
+    try:
+        from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+    except ImportError:
+        return False
+    return isinstance(layer, RoutedExperts)
 
 
 def install() -> None:

@@ -37,22 +37,23 @@ class HalWorkerExtension:
         """{"bindings": [the distinct EngineBinding dicts the routed ops hold], "unrouted": [modules of a
         routed kind (linear, lm_head, norm, activation, RoPE, attention) that hold no HAL route],
         "silent": [routed modules that made no HAL call in a probe forward (HAL-bound engines only)],
-        "pid": this worker's process id}."""
+        "routed": {kind: how many modules of it hold a HAL route}, "pid": this worker's process id}."""
         from hal.vllm.introspection import probe_hal_calls, routed_binding, silent_modules
         from hal.vllm.quant import HalConfig
 
-        bindings, unrouted = set(), []
+        bindings, unrouted, routed = set(), [], {}
         for name, module in self._hal_model().named_modules():
             kind, binding = routed_binding(module)
             if binding is not None:
                 bindings.add(binding)
+                routed[kind] = routed.get(kind, 0) + 1
             elif kind is not None:
                 unrouted.append(f"{name} ({kind})")
         silent = []
         if isinstance(self.model_runner.vllm_config.quant_config, HalConfig):
             silent = silent_modules(probe_hal_calls(self.model_runner))
         return {"bindings": [b.to_dict() for b in sorted(bindings, key=str)], "unrouted": unrouted,
-                "silent": silent, "pid": os.getpid()}
+                "silent": silent, "routed": routed, "pid": os.getpid()}
 
     def hal_load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> int:
         """Copy (HF name, tensor) pairs into the model's parameters through the model's own ``load_weights``

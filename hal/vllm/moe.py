@@ -1,0 +1,103 @@
+"""Mixture-of-experts layers of a HAL-bound vLLM engine: the router GEMM and vLLM's FusedMoE.
+
+vLLM's Qwen3-MoE block hands its ``GateLinear`` (the router) to the FusedMoE layer, whose runner calls
+the gate, then the quant method. Two routes make the layer the trainer's ``hal.model`` MoE block:
+
+* ``HalRouterMethod`` (in ``hal.vllm.quant``): the gate is the HAL linear with fp32 output ([moe].router_logits = fp32_gemm;
+  a stock gate rounds the logits to bf16, which moves ties and near-ties between experts);
+* ``HalFusedMoEMethod``: a *monolithic* FusedMoE method (vLLM hands it the router logits and does no
+  routing of its own): ``torch.ops.hal.moe_route`` then ``torch.ops.hal.moe_experts`` on the bound
+  backend, with the layer's plain stacked weights (w13 (E, 2I, H) rows [gate | up], w2 (E, H, I), as
+  vLLM loads them; nothing repacked).
+
+What vLLM would compute outside the HAL is refused when the layer is built: expert or tensor
+parallelism (partial expert sets), bias on the experts, an activation other than SiLU-and-multiply,
+shared experts (vLLM adds them to the routed output after its rounding; the contract adds them
+before), a custom routing function, routed_scaling_factor != 1 (vLLM scales the rounded output; the
+contract scales the weights), routing weights applied on the input.
+
+Imports vLLM: imported by ``hal.vllm.quant``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from vllm.model_executor.layers.fused_moe.config import FUSED_MOE_UNQUANTIZED_CONFIG
+from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
+from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+from hal.errors import UnsupportedError
+
+if TYPE_CHECKING:
+    from hal.vllm.quant import HalConfig
+
+
+def _refusals(layer, shared_experts) -> list[str]:
+    """Why vLLM's FusedMoE ``layer`` would compute something the contract does not say (empty: none)."""
+    moe = layer.moe_config
+    reasons = []
+    activation = getattr(getattr(moe, "activation", None), "value", getattr(moe, "activation", "silu"))
+    if str(activation) != "silu" or not getattr(moe, "is_act_and_mul", True):
+        reasons.append(f"activation {activation!r} (the contract's expert MLP is silu(gate) * up)")
+    if getattr(moe, "has_bias", False):
+        reasons.append("bias on the expert projections")
+    if getattr(layer, "global_num_experts", moe.num_experts) != getattr(layer, "local_num_experts", moe.num_experts):
+        reasons.append("expert parallelism (each rank holds some experts; the combine would be split)")
+    if getattr(moe, "tp_size", 1) != 1 or getattr(moe, "ep_size", 1) != 1:
+        reasons.append(f"tensor/expert parallel size {getattr(moe, 'tp_size', 1)}/{getattr(moe, 'ep_size', 1)}")
+    if shared_experts is not None:
+        reasons.append("shared experts (vLLM adds them after rounding the routed output)")
+    if getattr(layer, "custom_routing_function", None) is not None:
+        reasons.append("a custom routing function")
+    if float(getattr(layer, "routed_scaling_factor", 1.0)) != 1.0:
+        reasons.append(f"routed_scaling_factor {layer.routed_scaling_factor} (vLLM scales the rounded output)")
+    if getattr(layer, "apply_router_weight_on_input", False):
+        reasons.append("routing weights applied to the input")
+    return reasons
+
+
+class HalFusedMoEMethod(FusedMoEMethodBase):
+    """vLLM's FusedMoE on the HAL: monolithic (vLLM passes the router logits), weights as loaded."""
+
+    def __init__(self, config: "HalConfig", layer, prefix: str):
+        super().__init__(layer.moe_config)
+        reasons = _refusals(layer, getattr(layer, "shared_experts", None))
+        if reasons:
+            raise UnsupportedError(f"hal vLLM plugin: MoE layer {prefix!r} cannot run under the contract's [moe]: "
+                                   f"{'; '.join(reasons)}")
+        self.config = config
+
+    # The weights are created exactly as vLLM's unquantized method creates them (so its loaders and
+    # checkpoints fit); unlike it, nothing is repacked after loading.
+    create_weights = UnquantizedFusedMoEMethod.create_weights
+
+    def process_weights_after_loading(self, layer) -> None:
+        return None
+
+    def get_fused_moe_quant_config(self, layer):
+        return FUSED_MOE_UNQUANTIZED_CONFIG
+
+    @property
+    def is_monolithic(self) -> bool:
+        return True
+
+    def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
+        raise UnsupportedError("hal vLLM plugin: the HAL's FusedMoE method routes the tokens itself (monolithic); "
+                               "vLLM's precomputed routing is not used")
+
+    def apply_monolithic(self, layer, x, router_logits, input_ids=None):
+        if router_logits.dtype != torch.float32:
+            raise UnsupportedError(f"hal vLLM plugin: MoE layer got {router_logits.dtype} router logits; the "
+                                   f"contract's router is an fp32 GEMM (the gate's HAL route gives fp32)")
+        key = self.config.op_key
+        scoring = str(getattr(layer, "scoring_func", "softmax"))
+        groups = int(layer.num_expert_group or 1) if getattr(layer, "use_grouped_topk", False) else 1
+        topk_groups = int(layer.topk_group or 1) if groups > 1 else 1
+        weights, ids = torch.ops.hal.moe_route(key, router_logits, getattr(layer, "e_score_correction_bias", None),
+                                               router_logits.shape[-1], int(layer.top_k), scoring,
+                                               bool(layer.renormalize), groups, topk_groups, 1.0)
+        return torch.ops.hal.moe_experts(key, x, layer.w13_weight, layer.w2_weight, weights, ids, None)
+
