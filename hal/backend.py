@@ -324,6 +324,16 @@ class Backend(abc.ABC):
                                        f"hal.rope.cos_sin_cache if the sequence is longer")
             _mark_values_checked(positions)
 
+    def check_expert_ids(self, ids: torch.Tensor, num_experts: int) -> None:
+        """MoE expert ids in 0..num_experts-1 (checked once per tensor contents on an accelerator, like
+        positions; ids from ``moe_route`` are marked checked there, so a layer pays no synchronisation)."""
+        if ids.numel() and not _values_checked(ids):
+            low, high = torch.stack(torch.aminmax(ids.reshape(-1))).tolist()   # one host synchronisation
+            if low < 0 or high >= num_experts:
+                raise UnsupportedError(f"{self.name}.moe_experts: expert ids must be in 0..{num_experts - 1}, got "
+                                       f"{low}..{high}")
+            _mark_values_checked(ids)
+
     def check_topk(self, x: torch.Tensor, k: int) -> None:
         if not 0 < k <= x.shape[-1]:
             raise UnsupportedError(f"{self.name}.topk: k must be in 1..{x.shape[-1]}, got {k}")
@@ -485,6 +495,12 @@ def _values_checked(obj: AttentionMetadata | torch.Tensor) -> bool:
     return stamp == "capturing" or (stamp is not None and getattr(obj, "_hal_checked_stamp", None) == stamp)
 
 
+def mark_values_checked(obj: AttentionMetadata | torch.Tensor) -> None:
+    """Record that ``obj``'s values are valid by construction (a backend's own outputs, e.g. expert ids),
+    so the shared checks do not synchronise to read them."""
+    _mark_values_checked(obj)
+
+
 def _mark_values_checked(obj: AttentionMetadata | torch.Tensor) -> None:
     stamp = _value_stamp(obj)
     if stamp is not None:
@@ -625,6 +641,7 @@ def _moe_experts_input(self, x, w13, w2, topk_weights, topk_ids, shared=None):
         raise UnsupportedError(f"{self.name}.{op}: shared must be like x {tuple(x.shape)}, got {tuple(shared.shape)}")
     if x.shape[0] == 0:
         return x.new_empty(x.shape)
+    self.check_expert_ids(topk_ids, e)
     return None
 
 

@@ -24,7 +24,7 @@ import os
 import torch
 
 from hal import moe
-from hal.backend import Allowed, AttentionMetadata, Backend, Capabilities, Probe
+from hal.backend import Allowed, AttentionMetadata, Backend, Capabilities, Probe, mark_values_checked
 from hal.errors import UnsupportedError
 from hal.kernels.realises import CONTRACT_VALUES, HEAD_DIMS
 
@@ -150,7 +150,9 @@ class CudaBackend(Backend):
     def moe_route(self, router_logits, routing, correction_bias=None):
         moe.check_contract(self)
         self.check_devices("moe_route", router_logits, correction_bias)
-        return self._moe.route(router_logits, routing, correction_bias, self.contract.reduce)
+        weights, ids = self._moe.route(router_logits, routing, correction_bias, self.contract.reduce)
+        mark_values_checked(ids)          # in 0..E-1 by construction: moe_experts need not read them
+        return weights, ids
 
     def moe_experts(self, x, w13, w2, topk_weights, topk_ids, shared=None):
         # The grouped expert GEMM over expert-sorted slots (hal/kernels/moe.py): each slot's bits are

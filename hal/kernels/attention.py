@@ -499,12 +499,19 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     tma = tma and _tma_ok(k_cache, v_cache, kv_chunk)
     scale_log2e = spec.score_factor(scale)  # fl32(scale * log2 e), or fl32(scale) with the natural exp
     is_bf16 = q.dtype == torch.bfloat16
+    num_stages = num_stages or shape["num_stages"]
+    if kv_chunk > 64 and not INTERPRET:
+        # The stage counts were measured at 64-key chunks. A wider chunk (128 keys: bf16-ascend-v1)
+        # holds twice the K/V per stage and ran out of shared memory on the H200 (fp32, head dim 128,
+        # 5 stages: 352 KB of 227 KB): keep the K and V tiles of all stages within ~200 KB.
+        per_stage = 2 * kv_chunk * head_dim * q.element_size()
+        num_stages = max(1, min(num_stages, (200 * 1024) // per_stage))
     per_program = min(splits_per_program, max_splits) if split_parallel else 1
     meta = dict(PAGE_SIZE=page, KV_SPLIT=split, GROUP_PAD=group_pad, HEAD_SPLIT=head_split,
                 SPLITS_PER_PROGRAM=per_program, HEADS_FASTEST=heads_fastest, BLOCK_Q=block_q, HEAD_DIM=head_dim,
                 IS_BF16=is_bf16, UPCAST=INTERPRET and is_bf16, KV_CHUNK=kv_chunk, BLOCK_B=BLOCK_B, TMA=tma,
                 EXP2=spec.exp == "exp2", ROUNDED_SUM=spec.row_sum == "sum_of_rounded_p",
-                num_warps=num_warps or shape["num_warps"], num_stages=num_stages or shape["num_stages"], **LAUNCH)
+                num_warps=num_warps or shape["num_warps"], num_stages=num_stages, **LAUNCH)
     strides = (q.stride(0), q.stride(1), block_table.stride(0), k_cache.stride(0), k_cache.stride(1),
                k_cache.stride(2), out.stride(0), out.stride(1))
     head_programs = kv_heads * head_split

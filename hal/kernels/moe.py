@@ -123,7 +123,7 @@ def route(router_logits: torch.Tensor, routing, correction_bias: torch.Tensor | 
 # The grouped expert GEMM
 # ---------------------------------------------------------------------------------------------
 
-@triton.jit(do_not_specialize=["num_tiles", "N", "K"])
+@triton.jit
 def _grouped_gemm_kernel(x, w, rows_ptr, tile_expert_ptr, out_ptr, num_tiles, N, K,
                          stride_xm, stride_we, stride_wn, stride_om,
                          K_CHUNK: tl.constexpr, OUT_BF16: tl.constexpr, FP32_INPUTS: tl.constexpr,
@@ -243,13 +243,50 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor, so
     return out
 
 
+@triton.jit
+def _combine_kernel(down_ptr, position_ptr, weights_ptr, shared_ptr, out_ptr, H, stride_d, stride_s, stride_o,
+                    TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK_H: tl.constexpr):
+    """out[t] = round_act(fl32(... fl32(fl32(w_0 y_0) + fl32(w_1 y_1)) ... + shared[t])), ranks in order
+    ([moe].combine; the same IEEE steps as ``hal.moe.combine``). y_r: row position[t, r] of ``down``."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = offs < H
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for r in tl.static_range(TOP_K):
+        row = tl.load(position_ptr + t * TOP_K + r)
+        y = tl.load(down_ptr + row * stride_d + offs, mask=mask, other=0.0)
+        product = tl.load(weights_ptr + t * TOP_K + r) * y
+        if r == 0:
+            acc = product
+        else:
+            acc = acc + product
+    if HAS_SHARED:
+        acc = acc + tl.load(shared_ptr + t * stride_s + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * stride_o + offs, to_activation(acc, OUT_BF16), mask=mask)
+
+
+def combine(down: torch.Tensor, position: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None,
+            dtype: torch.dtype) -> torch.Tensor:
+    """[moe].combine of fp32 expert outputs ``down`` (P, H) at ``position`` (T, k): (T, H) in ``dtype``."""
+    t, k = position.shape
+    h = down.shape[1]
+    out = torch.empty((t, h), device=down.device, dtype=dtype)
+    if t == 0:
+        return out
+    block = min(1024, next_power_of_2(h))
+    shared_arg = shared.contiguous() if shared is not None else out
+    _combine_kernel[(t, triton.cdiv(h, block))](
+        down, position.contiguous(), weights.contiguous(), shared_arg, out, h, down.stride(0), shared_arg.stride(0),
+        out.stride(0), TOP_K=k, HAS_SHARED=shared is not None, OUT_BF16=dtype == torch.bfloat16, BLOCK_H=block,
+        num_warps=4, **LAUNCH)
+    return out
+
+
 def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
             topk_ids: torch.Tensor, shared: torch.Tensor | None, spec: Gemm, silu_mul) -> torch.Tensor:
     """The expert half of an MoE layer without a host synchronisation: sort the slots, the gate/up
     grouped GEMM (rounded to the activation dtype), ``silu_mul`` (the backend's kernel), the down
-    grouped GEMM (fp32), then the rank-order combine of ``hal.moe.combine``."""
-    from hal.moe import combine
-
+    grouped GEMM (fp32), then the rank-order combine (``combine``: ``hal.moe.combine``'s steps)."""
     t, k = topk_ids.shape
     num_experts = w13.shape[0]
     slots = sort_slots(topk_ids, num_experts, block_m_for(t * k, num_experts))
@@ -259,4 +296,4 @@ def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: 
     own = torch.where(slots.token >= 0, torch.arange(slots.positions, device=x.device, dtype=torch.int32),
                       torch.full_like(slots.token, -1))
     down = grouped_linear(act, w2, own, slots, torch.float32, spec)
-    return combine(down[slots.position], topk_weights, shared, x.dtype)
+    return combine(down, slots.position, topk_weights, shared, x.dtype)

@@ -59,17 +59,18 @@ class VllmEngine:
     trainer in the same process). ``block_size``: keys per KV-cache page (default: the attention backend's
     preference; a HAL-bound CUDA engine prefers the contract's KV chunk, hal.vllm.gpu_attention).
     ``async_scheduling`` (HAL-bound CUDA engines): vLLM's overlap of a step's host work with the previous
-    step's GPU work. Off by default: the HAL sampler's position is prompt length + the request's output
-    list, which vLLM 0.26 keeps the right length under async scheduling (a -1 placeholder per in-flight
-    token), but that has not been checked on a GPU yet (``bench/vllm_gpu.py --engines hal,hal-async``
-    compares the tokens of both). Stock engines keep vLLM's default.
+    step's GPU work; on by default on CUDA (None). The HAL sampler's position is prompt length + the
+    request's output list, which vLLM 0.26 keeps the right length under async scheduling (a -1
+    placeholder per in-flight token): measured on the H200 (bench/results/h200-2026-12-01-session5),
+    0/65536 sampled and 0/4766 prompt logprobs differing from the trainer, 0.94x stock's throughput
+    (0.60x without it). Stock engines keep vLLM's default.
     """
 
     def __init__(self, model_dir: str | os.PathLike, *, binding: EngineBinding | None, dtype: str,
                  max_model_len: int = 512, max_num_seqs: int = 16, max_num_batched_tokens: int = 512,
                  seed: int = 0, multiprocess: bool = False, enforce_eager: bool = True,
                  gpu_memory_utilization: float | None = None, block_size: int | None = None,
-                 async_scheduling: bool = False):
+                 async_scheduling: bool | None = None):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
         from vllm import LLM
 
@@ -94,9 +95,10 @@ class VllmEngine:
             if torch.cuda.is_available():
                 # vLLM 0.26 on CUDA (hal.vllm.gpu_attention): the HAL's attention is
                 # the CUSTOM member; the V1 model runner, whose sampler the plugin routes (V2 has its own);
-                # async scheduling only when asked (see the class docstring).
+                # async scheduling unless turned off (see the class docstring).
                 os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
-                kwargs.update(attention_config={"backend": "CUSTOM"}, async_scheduling=async_scheduling)
+                kwargs.update(attention_config={"backend": "CUSTOM"},
+                              async_scheduling=True if async_scheduling is None else async_scheduling)
         with warnings.catch_warnings():     # vLLM 0.32 touches deprecated torch.distributed names
             warnings.simplefilter("ignore", FutureWarning)
             self.llm = LLM(model=str(self.model_dir), skip_tokenizer_init=True, dtype=dtype, enforce_eager=enforce_eager,
