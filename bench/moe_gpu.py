@@ -9,7 +9,7 @@ Checks (bitwise, on the GPU):
 Timing (CUDA events, median of repeats) of the whole MoE layer (route + experts) and of the experts
 alone, against vLLM's fused-MoE Triton kernel (``fused_topk`` + ``fused_experts``) when vLLM imports.
 
-    python3 bench/moe_gpu.py --json moe_gpu.json [--tokens 1,8,64,512,2048,8192] [--model]
+    python3 bench/moe_gpu.py --json moe_gpu.json [--tokens 1,8,64,512,2048,8192] [--model] [--sweep]
 """
 
 from __future__ import annotations
@@ -140,6 +140,45 @@ def timing(cuda, tokens, shape):
     return rows
 
 
+SWEEP = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st)
+         for bm, bn, bk, w, st in [(16, 64, 128, 4, 3), (16, 128, 128, 4, 3), (16, 256, 64, 8, 2), (32, 128, 128, 4, 3),
+                                   (32, 256, 64, 8, 3), (64, 128, 64, 4, 3), (64, 256, 64, 8, 3), (128, 128, 64, 8, 3),
+                                   (128, 256, 64, 8, 3)]]
+
+
+def sweep(cuda, tokens, shape):
+    """Every grouped-GEMM launch configuration of SWEEP on the same inputs: the bits must be identical
+    (tile freedom of the grouped kernel); the time of each, and the default's, per token count."""
+    from hal.kernels import moe as kernels
+
+    routing = routing_of(shape)
+    w = layer(shape)
+    rows = []
+    for t in tokens:
+        x = torch.randn(t, shape["hidden"], generator=torch.Generator().manual_seed(t)).to(torch.bfloat16).cuda()
+        weights, ids = cuda.moe_route(cuda.linear(x, w["router"], out_dtype=torch.float32), routing)
+
+        def run(cfg):
+            return kernels.experts(x, w["w13"], w["w2"], weights, ids, None, cuda.contract.gemm, cuda.silu_mul, cfg)
+        default = kernels.grouped_config(t * shape["top_k"], shape["experts"])
+        first = run(default)
+        times, identical = {}, 0
+        for cfg in SWEEP:
+            try:
+                out = run(cfg)
+            except Exception as exc:  # noqa: BLE001 - out of resources: not a candidate here
+                print(f"  T={t} {cfg}: {type(exc).__name__}", flush=True)
+                continue
+            identical += bool(torch.equal(out, first))
+            times[json.dumps(cfg)] = timed(lambda: run(cfg), repeats=10)
+        best = min(times, key=times.get)
+        row = {"tokens": t, "candidates": len(times), "identical": identical, "default": default,
+               "default_us": timed(lambda: run(default), repeats=10), "best": json.loads(best), "best_us": times[best]}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
 def model_check(layers=3, requests=32, new_tokens=64):
     """Train == rollout through the harness on a random Qwen3-30B-A3B-shaped model with a few layers."""
     from hal.model import DecoderLM, tiny_config
@@ -174,6 +213,7 @@ def main(argv=None):
     parser.add_argument("--tokens", default="1,8,64,512,2048,8192", help="token counts to time ('' : no timing)")
     parser.add_argument("--model", action="store_true", help="also train == rollout on a Qwen3-30B-A3B-shaped model")
     parser.add_argument("--no-checks", action="store_true")
+    parser.add_argument("--sweep", action="store_true", help="grouped-GEMM launch configurations: same bits? fastest?")
     args = parser.parse_args(argv)
     cuda = create_backend("cuda", "bf16-moe-v1")
     ref = create_backend("reference", "bf16-moe-v1", device="cuda")
@@ -182,12 +222,16 @@ def main(argv=None):
         report["checks"] = checks(cuda, ref, {"qwen3_30b_a3b": QWEN3_30B, "deepseek_style": DEEPSEEK_STYLE})
     if args.tokens:
         report["timing_qwen3_30b_a3b"] = timing(cuda, [int(t) for t in args.tokens.split(",")], QWEN3_30B)
+    if args.sweep:
+        report["sweep_qwen3_30b_a3b"] = sweep(cuda, [int(t) for t in (args.tokens or "1,64,512,2048,8192").split(",")],
+                                              QWEN3_30B)
     if args.model:
         report["model"] = model_check()
     with open(args.json, "w") as f:
         json.dump(report, f, indent=2)
     ok = all(c["grouped_equals_per_expert_dense"] and c["placement_equal"] and all(c["batch_composition_equal"].values())
-             for c in report.get("checks", [])) and report.get("model", {}).get("mismatching_logprobs", 0) == 0
+             for c in report.get("checks", [])) and report.get("model", {}).get("mismatching_logprobs", 0) == 0 \
+        and all(r["identical"] == r["candidates"] for r in report.get("sweep_qwen3_30b_a3b", []))
     print("MOE CHECKS", "PASS" if ok else "FAIL")
     return 0 if ok else 1
 

@@ -203,24 +203,27 @@ def sort_slots(ids: torch.Tensor, num_experts: int, block_m: int) -> SortedSlots
     return SortedSlots(block_m, token, position.view(t, k), tile_expert)
 
 
-def _grouped_config(slots_per_expert: float, n: int) -> dict:
-    """Tiles (free: the bits do not depend on them). BLOCK_M follows the expected rows per expert."""
-    if INTERPRET:
-        return dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=1)
-    if slots_per_expert <= 32:
-        return dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
-    return dict(BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4)
+#: Launch configurations of the grouped GEMM (free: the bits do not depend on them; bench/moe_gpu.py
+#: --sweep checks that and times them), by slots per expert: (most slots per expert, config).
+GROUPED_CONFIGS = [
+    (16, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)),
+    (48, dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3)),
+    (96, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3)),
+    (None, dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)),
+]
+INTERPRETER_CONFIG = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=1)
 
 
-def block_m_for(slots: int, num_experts: int) -> int:
+def grouped_config(slots: int, num_experts: int) -> dict:
+    """The grouped GEMM's tiles for ``slots`` (token, rank) slots over ``num_experts`` experts."""
     if INTERPRET:
-        return 16
+        return dict(INTERPRETER_CONFIG)
     per_expert = slots / max(1, num_experts)
-    return 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64
+    return dict(next(cfg for most, cfg in GROUPED_CONFIGS if most is None or per_expert <= most))
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor, sorted_slots: SortedSlots,
-                   out_dtype: torch.dtype, spec: Gemm) -> torch.Tensor:
+                   out_dtype: torch.dtype, spec: Gemm, cfg: dict) -> torch.Tensor:
     """(P, N) ``out_dtype``: sorted position p holds ``x[rows[p]] @ weight[e].T`` (e: its tile's expert),
     K reduced as [gemm] says; rows -1 (padding) stay zero. x: (R, K); weight: (E, N, K)."""
     e, n, k = weight.shape
@@ -228,7 +231,6 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor, so
     out = torch.zeros((p, n), device=x.device, dtype=out_dtype)   # padding rows: zeros, not garbage
     if p == 0 or n == 0:
         return out
-    cfg = _grouped_config(p / max(1, e), n)
     if spec.k_chunk % cfg["BLOCK_K"]:
         raise UnsupportedError(f"grouped GEMM: BLOCK_K {cfg['BLOCK_K']} must divide k_chunk {spec.k_chunk}")
     x = x.contiguous()
@@ -283,17 +285,19 @@ def combine(down: torch.Tensor, position: torch.Tensor, weights: torch.Tensor, s
 
 
 def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-            topk_ids: torch.Tensor, shared: torch.Tensor | None, spec: Gemm, silu_mul) -> torch.Tensor:
+            topk_ids: torch.Tensor, shared: torch.Tensor | None, spec: Gemm, silu_mul,
+            config: dict | None = None) -> torch.Tensor:
     """The expert half of an MoE layer without a host synchronisation: sort the slots, the gate/up
     grouped GEMM (rounded to the activation dtype), ``silu_mul`` (the backend's kernel), the down
     grouped GEMM (fp32), then the rank-order combine (``combine``: ``hal.moe.combine``'s steps)."""
     t, k = topk_ids.shape
     num_experts = w13.shape[0]
-    slots = sort_slots(topk_ids, num_experts, block_m_for(t * k, num_experts))
-    gate_up = grouped_linear(x, w13, slots.token, slots, x.dtype, spec)
+    cfg = config or grouped_config(t * k, num_experts)
+    slots = sort_slots(topk_ids, num_experts, cfg["BLOCK_M"])
+    gate_up = grouped_linear(x, w13, slots.token, slots, x.dtype, spec, cfg)
     act = silu_mul(gate_up)
     # the down projection reads the activations in sorted order: row p of act is position p
     own = torch.where(slots.token >= 0, torch.arange(slots.positions, device=x.device, dtype=torch.int32),
                       torch.full_like(slots.token, -1))
-    down = grouped_linear(act, w2, own, slots, torch.float32, spec)
+    down = grouped_linear(act, w2, own, slots, torch.float32, spec, cfg)
     return combine(down, slots.position, topk_weights, shared, x.dtype)
