@@ -114,6 +114,14 @@ def test_a_dense_contract_and_a_backend_without_moe_refuse_moe_layers():
         Backend.moe_route(REF, logits, Routing(E, 2))
 
 
+def test_the_ascend_backend_refuses_moe_with_the_reason():
+    from hal.backends.ascend import AscendBackend
+
+    assert "bf16-moe-v1" not in AscendBackend.contracts        # binding an MoE contract is refused first
+    with pytest.raises(UnsupportedError, match=r"ascend' does not realise mixture-of-experts.*\[moe\]"):
+        AscendBackend.moe_experts.__wrapped__(AscendBackend, None, None, None, None, None)
+
+
 @pytest.mark.parametrize("bad, match", [
     (dict(top_k=9), "top_k must be in 1..num_experts"), (dict(num_groups=3), "must divide"),
     (dict(num_groups=4, topk_groups=5), "topk_groups"), (dict(num_groups=4, topk_groups=1, top_k=3), "exceeds"),

@@ -240,11 +240,25 @@ def test_plugin_on_an_unsupported_vllm_refuses_quantization_hal():
 
 # -- the RL loop with vLLM as the engine (`hal run recipes/default.yaml`) --------------------------
 
-def _vllm_recipe(tmp_path, name, *overrides):
+def _vllm_recipe(tmp_path, name, *overrides, recipe="default"):
     from hal.rl import load_recipe
 
-    return load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "default.yaml",
+    return load_recipe(Path(__file__).resolve().parents[1] / "recipes" / f"{recipe}.yaml",
                        [f"output_dir={tmp_path / name}", "prompts_per_step=4", *overrides])
+
+
+def test_moe_recipe_on_vllm_diff_zero_every_step_with_weight_syncs(engines, tmp_path):
+    """recipes/moe.yaml: GRPO on a tiny Qwen3-MoE with vLLM; the updated weights (experts and routers
+    included) reach the engine byte for byte at every sync, and every step's difference is 0."""
+    from hal.rl import run_recipe
+
+    engines.close()
+    runs = run_recipe(_vllm_recipe(tmp_path, "moe", "steps=3", recipe="moe"), echo=None)["runs"]["reference"]
+    assert [m["step"] for m in runs] == [1, 2, 3]
+    for m in runs:
+        assert m["engine"].startswith("vllm (backend 'reference', contract bf16-moe-v1")
+        assert m["mismatches"] == 0 and m["k3_kl"] == 0.0 and m["max_abs_diff"] == 0.0
+    assert any(m["weights_changed"] for m in runs)
 
 
 def test_recipe_on_vllm_diff_zero_every_step_and_stock_baseline_differs(engines, tmp_path):

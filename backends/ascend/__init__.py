@@ -191,6 +191,21 @@ class AscendBackend(Backend):
         values, indices = torch.sort(x, dim=-1, descending=True, stable=True)  # comparisons only
         return values[..., :k].contiguous(), indices[..., :k].contiguous()
 
+    # Mixture of experts: not realised. CANN's MoE ops (npu_moe_gating_top_k_softmax, npu_moe_init_routing,
+    # npu_grouped_matmul, npu_moe_finalize_routing) would be the route, but no NPU was reachable to
+    # establish their reduction order, tie-breaking and combine order against [moe], and the backend's
+    # contracts do not include bf16-moe-v1 (binding an MoE contract is refused before this).
+    _MOE_REFUSAL = ("backend 'ascend' does not realise mixture-of-experts layers: CANN's MoE ops "
+                    "(npu_moe_gating_top_k_softmax, npu_grouped_matmul, npu_moe_finalize_routing) are not "
+                    "checked against the contract's [moe] (ties, K chunks, the rank-order combine) on an NPU; "
+                    "run MoE models on 'cuda' or 'reference'")
+
+    def moe_route(self, router_logits, routing, correction_bias=None):
+        raise UnsupportedError(self._MOE_REFUSAL)
+
+    def moe_experts(self, x, w13, w2, topk_weights, topk_ids, shared=None):
+        raise UnsupportedError(self._MOE_REFUSAL)
+
 
 def _rotary_torch(positions, x, table):
     """Neox rotary with one torch op per product and sum: fl(fl(x1 c) - fl(x2 s)), no FMA."""

@@ -27,6 +27,12 @@ def tensor_digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.numpy().tobytes()).hexdigest()
 
 
+def trainer_name(vllm_name: str) -> str:
+    """The trainer's (``hal.model``) name of a vLLM parameter: the same, except that vLLM's FusedMoE layer
+    keeps its expert weights one module deeper (``mlp.experts.routed_experts.w13_weight``)."""
+    return vllm_name.replace(".experts.routed_experts.", ".experts.")
+
+
 class HalWorkerExtension:
     """Mixed into vLLM's worker class; ``self`` is the worker."""
 
@@ -66,16 +72,18 @@ class HalWorkerExtension:
         return len(loaded or ())
 
     def hal_weight_pointers(self) -> dict:
-        """{vLLM parameter name: data_ptr}: where each weight lives (a sync must not move it)."""
-        return {name: p.data_ptr() for name, p in self._hal_model().named_parameters()}
+        """{parameter name (the trainer's, ``trainer_name``): data_ptr}: where each weight lives (a sync
+        must not move it)."""
+        return {trainer_name(name): p.data_ptr() for name, p in self._hal_model().named_parameters()}
 
     def hal_weights_digest(self, rows: dict[str, int] | None = None) -> dict:
-        """{vLLM parameter name: [sha256, data_ptr, shape]} of the engine's weights; ``rows`` limits a
+        """{parameter name (the trainer's): [sha256, data_ptr, shape]} of the engine's weights; ``rows`` limits a
         parameter to its first rows (vLLM pads the vocabulary of the embedding and lm_head to a multiple
         of 64). Stock CPU linears report an empty weight: vLLM repacked it for oneDNN."""
         rows = rows or {}
         out = {}
         for name, p in self._hal_model().named_parameters():
+            name = trainer_name(name)
             view = p[:rows.get(name, p.shape[0])] if p.dim() else p
             out[name] = [tensor_digest(view), p.data_ptr(), list(view.shape)]
         return out
