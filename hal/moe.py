@@ -146,18 +146,15 @@ def slots_by_expert(ids: torch.Tensor, num_experts: int) -> list[tuple[int, torc
 
 
 def expert_outputs(backend, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
-                   experts: Iterable[int] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                   experts: Iterable[int] | None = None) -> torch.Tensor:
     """fp32 (T, k, H) down-projection outputs of every (token, rank) slot, each computed as
     ``linear(silu_mul(linear(x_t, w13[e])), w2[e], fp32)`` on ``backend``.
 
-    ``experts``: compute only these experts' slots (the others stay as ``out`` has them, zero by
-    default): what one expert-parallel rank computes. x: (T, H); w13: (E, 2I, H) rows [gate | up];
+    ``experts``: compute only these experts' slots (the others stay zero): what one expert-parallel
+    rank computes. x: (T, H); w13: (E, 2I, H) rows [gate | up];
     w2: (E, H, I); ids: (T, k)."""
     t, k = ids.shape
-    if out is None:
-        out = torch.zeros(t * k, x.shape[-1], dtype=torch.float32, device=x.device)
-    else:
-        out = out.view(t * k, x.shape[-1])
+    out = torch.zeros(t * k, x.shape[-1], dtype=torch.float32, device=x.device)
     wanted = None if experts is None else set(int(e) for e in experts)
     for expert, slots in slots_by_expert(ids, w13.shape[0]):
         if wanted is not None and expert not in wanted:

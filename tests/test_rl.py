@@ -39,11 +39,12 @@ def _numbers(m):
 def test_shipped_recipes_validate():
     engines = {}
     for path in sorted((ROOT / "recipes").glob("*.yaml")):
-        if path.stem in ("default", "grpo-h200"):
+        if path.stem in ("default", "grpo-h200", "moe"):
             pytest.importorskip("vllm")
         # (the tests run the cuda backend under Triton's interpreter, so the GPU recipe validates here too)
         engines[path.stem] = load_recipe(path, ["output_dir=/nonexistent/hal-rl-test"]).engine
-    assert engines == {"ci-smoke": "harness", "default": "vllm", "grpo-h200": "vllm", "harness": "harness"}
+    assert engines == {"ci-smoke": "harness", "default": "vllm", "grpo-h200": "vllm", "harness": "harness",
+                       "moe": "vllm"}
 
 
 def test_vllm_section_is_checked(tmp_path):
