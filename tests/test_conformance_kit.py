@@ -57,7 +57,11 @@ def test_kit_passes_on_reference_and_writes_both_reports(tmp_path):
     assert rc == 0, stdout[-4000:]
     assert data["summary"]["ok"] and data["summary"]["fail"] == 0 and data["summary"]["complete"]
     for level, ops in EXPECTED_CELLS.items():   # every expected cell ran and passed: a skip is not a pass
-        assert statuses(data, level) == {op: "pass" for op in ops}, level
+        # the MoE ops are not in bf16-dense-v1: reported as such, not tested (tests/test_moe.py runs them)
+        not_covered = {"moe_route": "unsupported", "moe_experts": "unsupported"} if level in (1, 2) else {}
+        assert statuses(data, level) == {**{op: "pass" for op in ops}, **not_covered}, level
+        for op in not_covered:
+            assert "not in the contract" in data["results"][op][str(level)]["skip_reasons"][0]
     header = data["header"]
     assert header["backend"] == "reference" and header["contract"] == "bf16-dense-v1"
     assert re.fullmatch(r"[0-9a-f]{64}", header["contract_fingerprint"])
@@ -95,7 +99,7 @@ def test_broken_example_is_caught_at_the_right_levels_with_a_working_repro(tmp_p
     assert rc == 1
     # Every single call is deterministic and accurate: the invariances break. (Its large-batch top-k
     # also breaks ties toward the higher index, which the accuracy level checks against the contract.)
-    assert set(statuses(data, 1).values()) == {"pass"}
+    assert {s for op, s in statuses(data, 1).items() if op not in ("moe_route", "moe_experts")} == {"pass"}
     assert {op for op, s in statuses(data, 5).items() if s != "pass"} == {"topk"}
     assert statuses(data, 6) == {"contract": "pass"}
     level2 = statuses(data, 2)

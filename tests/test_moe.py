@@ -261,6 +261,20 @@ def test_negative_control_an_expert_gemm_that_follows_the_expert_load_changes_th
     assert any(changed)
 
 
+def test_the_conformance_kit_checks_moe_ops_and_catches_a_load_dependent_expert_gemm():
+    """The kit's MoE row ops (``hal.conformance.checks``; levels 1-2 under a contract with [moe]): they
+    pass on reference, and batch invariance fails on the planted load-dependent expert GEMM."""
+    from hal.conformance.runner import CHECKS
+
+    params = dict(width=640, out_features=96, dtype="float32", seed=3)
+    for row_op in ("moe_route", "moe_route grouped", "moe layer"):
+        assert CHECKS["batch_invariance"](REF, row_op=row_op, **params) == [], row_op
+    assert CHECKS["batch_invariance"](ExpertLoadDependentBackend(MOE), row_op="moe layer", **params)
+    dense = ReferenceBackend(DENSE)
+    with pytest.raises(ValueError, match="not defined"):   # a dense contract has no MoE row ops
+        CHECKS["batch_invariance"](dense, row_op="moe layer", **params)
+
+
 def place(w, ids, placement):
     """The same experts stored in other slots: expert e lives at slot placement[e]."""
     slots = torch.empty_like(placement)

@@ -236,6 +236,38 @@ def attention_phases(backend: Backend, case: AttentionCase, cuts: list[int], pag
 # Per-op row functions for batch invariance.
 # ---------------------------------------------------------------------------------------------
 
+def _moe_row_functions(backend: Backend, width: int, out_features: int, dtype: torch.dtype,
+                       generator: torch.Generator) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    """MoE row ops ([moe]): routing of a row of ``width`` router logits (rounded to halves, so rows are
+    full of ties), group-limited sigmoid routing with a correction bias, and a whole MoE layer of 8
+    experts (top-2) of intermediate ``out_features`` on a row of ``width`` hidden features."""
+    from hal.moe import Routing
+
+    device = backend.device
+    experts, inter = 8, out_features
+    router = random_tensor((experts, width), dtype, generator, device=device)
+    w13 = random_tensor((experts, 2 * inter, width), dtype, generator, device=device)
+    w2 = random_tensor((experts, width, inter), dtype, generator, device=device)
+    # routing over at most 512 experts (real models have 8-384; a wider row's other logits are unused)
+    num_experts = min(width, 512)
+    bias = random_tensor((max(num_experts, 8),), torch.float32, generator, device=device) * 0.1
+
+    def route(x, routing, with_bias):
+        logits = (x[:, :routing.num_experts].float() * 2).round() / 2
+        weights, ids = backend.moe_route(logits, routing, bias[: routing.num_experts] if with_bias else None)
+        return torch.cat([weights, ids.float()], -1)
+
+    def layer(x):
+        weights, ids = backend.moe_route(backend.linear(x, router, out_dtype=torch.float32), Routing(experts, 2))
+        return backend.moe_experts(x, w13, w2, weights, ids)
+
+    fns = {"moe_route": lambda x: route(x, Routing(num_experts, min(4, num_experts)), False), "moe layer": layer}
+    if num_experts % 4 == 0 and num_experts >= 8:
+        grouped = Routing(num_experts, 3, scoring="sigmoid", num_groups=4, topk_groups=2, scaling=2.5)
+        fns["moe_route grouped"] = lambda x: route(x, grouped, True)
+    return fns
+
+
 def op_row_functions(backend: Backend, width: int, out_features: int, dtype: torch.dtype,
                      generator: torch.Generator) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
     """For each row op: a function of a (M, width) batch, with its weights fixed here."""
@@ -273,6 +305,8 @@ def op_row_functions(backend: Backend, width: int, out_features: int, dtype: tor
     }
     if width % 2 == 0:
         fns["silu_mul"] = lambda x: backend.silu_mul(x)
+    if backend.contract is not None and backend.contract.moe is not None:
+        fns.update(_moe_row_functions(backend, width, out_features, dtype, generator))
     if table is not None and width % 2 == 0:
         def rotary(x):
             # The position comes from the row's own first value, pointwise: a reduction here (torch's

@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 # A skip reason that starts with DECLARED is a capability the backend declared missing (``Backend.unsupported``):
 # the report shows it as "unsupported", which does not break conformance. Any other skip does.
-from hal.conformance.report import DECLARED
-from hal.conformance.runner import CHECKS, OP_OF, ROW_OPS, repro_command
+from hal.conformance.report import DECLARED, NOT_IN_CONTRACT
+from hal.conformance.runner import CHECKS, MOE_OPS, OP_OF, ROW_OPS, repro_command
 from hal.errors import UnsupportedError
 
 # Sizes that straddle tiles and thresholds: 1, primes, powers of two and their neighbours.
@@ -35,13 +35,19 @@ def out_features(depth: str):
 def row_op_cases(backend, depth: str, op: str) -> dict:
     """Hypothesis strategies for the row functions of ``op`` (``checks.op_row_functions``): which
     variant, row width, output features (GEMM), dtype and seed."""
+    if op in MOE_OPS and (backend.contract is None or backend.contract.moe is None):
+        pytest.skip(f"{NOT_IN_CONTRACT}{op}: contract {backend.contract} has no [moe] section (run the kit with "
+                    f"--contract bf16-moe-v1 for the MoE ops)")
     variants = [v for v in ROW_OPS if OP_OF[v] == op]
     return dict(row_op=st.sampled_from(variants), width=widths(depth), out=out_features(depth),
                 dtype=st.sampled_from(dtypes_for(backend, op)), seed=st.integers(0, 2 ** 16))
 
 
 def fit_width(row_op: str, width: int) -> int:
-    """SiLU*up ([g | u]) and rotary (pairs) need an even width."""
+    """SiLU*up ([g | u]) and rotary (pairs) need an even width; group-limited routing four groups of at
+    least two experts (the width is the expert count)."""
+    if row_op == "moe_route grouped":
+        return max(8, -(-width // 4) * 4)
     return width + 1 if row_op in ("silu_mul", "rotary") and width % 2 else width
 
 

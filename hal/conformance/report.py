@@ -13,6 +13,9 @@ from hal.errors import HalError
 
 
 DECLARED = "declared unsupported by the backend: "  # the kit's skip reason for a declared capability gap
+# The skip reason for an op the bound contract does not cover (MoE ops under a contract without [moe]):
+# reported like a declared gap, with the reason, since there is no rule for the backend to honour.
+NOT_IN_CONTRACT = "not in the contract: "
 
 
 @dataclass
@@ -69,7 +72,7 @@ class Results:
         elif rep.skipped:
             reason = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
             reason = reason.removeprefix("Skipped: ")
-            if reason.startswith(DECLARED):
+            if reason.startswith((DECLARED, NOT_IN_CONTRACT)):
                 cell.unsupported += 1
                 outcome = "unsupported"
             else:
@@ -222,7 +225,7 @@ def markdown(data: dict) -> str:
     s = data["summary"]
     run = f" {s['tests_run']} of {s['tests_selected']} selected tests run." if s.get("tests_selected") else ""
     lines += ["", f"**{verdict(s)}**: {s['pass']} cells pass, {s['fail']} fail, {s['skip']} skipped without a "
-                  f"declaration, {s.get('unsupported', 0)} declared unsupported.{run}"]
+                  f"declaration, {s.get('unsupported', 0)} declared unsupported or not in the contract.{run}"]
     if s["skip"]:
         lines += ["", "A skipped cell is not conformance: the backend refused or skipped tests without declaring "
                       "the capability missing (`Backend.unsupported`)."]

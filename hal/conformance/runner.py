@@ -22,13 +22,17 @@ from hal.conformance.checks import (AttentionCase, attention_phases, compare, ma
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 ROW_OPS = ["linear", "linear+bias", "linear->fp32 logits", "rms_norm", "rms_norm+residual", "silu_mul", "rotary",
-           "log_softmax", "log_softmax T=0.7", "token_logprobs", "sum", "mean", "topk"]
+           "log_softmax", "log_softmax T=0.7", "token_logprobs", "sum", "mean", "topk",
+           "moe_route", "moe_route grouped", "moe layer"]
 
 # The op each row function exercises (for the report's op x level table).
 OP_OF = {"linear": "linear", "linear+bias": "linear", "linear->fp32 logits": "linear", "rms_norm": "rms_norm",
          "rms_norm+residual": "rms_norm", "silu_mul": "silu_mul", "rotary": "rotary", "log_softmax": "log_softmax",
          "log_softmax T=0.7": "log_softmax", "token_logprobs": "token_logprobs", "sum": "sum", "mean": "mean",
-         "topk": "topk"}
+         "topk": "topk", "moe_route": "moe_route", "moe_route grouped": "moe_route", "moe layer": "moe_experts"}
+
+# The ops only a contract with [moe] covers.
+MOE_OPS = ("moe_route", "moe_experts")
 
 
 def _row_fn(backend: Backend, row_op: str, width: int, out_features: int, dtype: str, seed: int):
