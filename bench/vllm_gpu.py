@@ -5,10 +5,11 @@ checkout installed next to it (``bash bench/h200.sh vllm``). Each engine runs in
 reads ``VLLM_BATCH_INVARIANT`` at import), one after another, on the same random checkpoint and requests:
 
 * ``hal``: ``quantization="hal"`` bound to the ``cuda`` backend, torch.compile + CUDA graphs (vLLM's
-  default compilation; attention runs between the graph pieces: PIECEWISE);
+  default compilation; decode steps as full graphs), async scheduling *off* (``VllmEngine``'s default on
+  CUDA is on: ``hal-async`` is what a user gets, 0.94x stock on the H200);
 * ``hal-eager``: the same with ``enforce_eager=True`` (no compile, no graphs): the compile path's control;
-* ``hal-async``: ``hal`` with vLLM's async scheduling; its tokens must equal ``hal``'s (the same seeds,
-  positions and logits), which the table reports when both ran;
+* ``hal-async``: ``hal`` with vLLM's async scheduling (the ``VllmEngine`` default); its tokens must
+  equal ``hal``'s (the same seeds, positions and logits), which the table reports when both ran;
 * ``stock``: vLLM's defaults (CUDA graphs + torch.compile, FlashAttention, V2 model runner);
 * ``batch-invariant``: stock with ``VLLM_BATCH_INVARIANT=1``, vLLM's own deterministic mode.
 
