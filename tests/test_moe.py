@@ -446,6 +446,8 @@ def test_qwen3_moe_config_reads_hf_keys_and_refuses_what_it_cannot_honour():
     assert config.routing == Routing(8, 2, renormalize=True)
     with pytest.raises(UnsupportedError, match="top_k must be in"):
         ModelConfig.from_hf({**hf, "num_experts_per_tok": 9})
+    with pytest.raises(UnsupportedError, match="shared_expert_intermediate_size"):
+        ModelConfig.from_hf({**hf, "shared_expert_intermediate_size": 64})
     with pytest.raises(UnsupportedError, match="topk_method"):
         ModelConfig.from_hf({**hf, "topk_method": "group_limited_greedy"})
     with pytest.raises(UnsupportedError, match="needs architecture 'qwen3_moe'"):

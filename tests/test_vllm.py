@@ -155,15 +155,21 @@ def test_moe_layers_vllm_would_compute_its_own_way_are_refused():
     moe = SimpleNamespace(activation=SimpleNamespace(value="silu"), is_act_and_mul=True, has_bias=False,
                           num_experts=8, tp_size=1, ep_size=1)
     plain = SimpleNamespace(moe_config=moe, global_num_experts=8, local_num_experts=8, custom_routing_function=None,
-                            routed_scaling_factor=1.0, apply_router_weight_on_input=False)
-    assert _refusals(plain, None) == []
+                            routed_scaling_factor=1.0, apply_router_weight_on_input=False, scoring_func="softmax",
+                            use_grouped_topk=False, e_score_correction_bias=None)
+    hf = SimpleNamespace(shared_expert_intermediate_size=0)
+    assert _refusals(plain, hf) == []
     cases = [(dict(routed_scaling_factor=2.5), "routed_scaling_factor"), (dict(local_num_experts=4), "expert parallel"),
              (dict(custom_routing_function=len), "custom routing")]
     for change, reason in cases:
-        assert reason in "; ".join(_refusals(SimpleNamespace(**{**vars(plain), **change}), None))
-    assert "shared experts" in "; ".join(_refusals(plain, object()))
+        assert reason in "; ".join(_refusals(SimpleNamespace(**{**vars(plain), **change}), hf))
+    assert "shared experts" in "; ".join(_refusals(plain, SimpleNamespace(shared_expert_intermediate_size=256)))
+    assert "shared experts" in "; ".join(_refusals(plain, SimpleNamespace(n_shared_experts=1)))
     biased = SimpleNamespace(**{**vars(plain), "moe_config": SimpleNamespace(**{**vars(moe), "has_bias": True})})
-    assert "bias" in "; ".join(_refusals(biased, None))
+    assert "bias" in "; ".join(_refusals(biased, hf))
+    # a DeepSeek-style config.json on vLLM's Qwen3-MoE, which reads none of these switches
+    for key, value in (("scoring_func", "sigmoid"), ("n_group", 4), ("topk_method", "noaux_tc")):
+        assert "config.json asks for" in "; ".join(_refusals(plain, SimpleNamespace(**{key: value})))
 
 
 def test_weight_update_in_place_keeps_diff_zero(engines):

@@ -306,6 +306,9 @@ def _read_moe(r: _HfReader, arch: str, num_layers: int) -> dict[str, Any]:
     method = r.text("topk_method", "greedy")
     if method not in ("greedy", "noaux_tc"):
         raise UnsupportedError(f"{r.source}: topk_method {method!r} is not supported (greedy or noaux_tc)")
+    if r.integer("shared_expert_intermediate_size", 0):
+        raise UnsupportedError(f"{r.source}: shared_expert_intermediate_size (a Qwen2-MoE-style gated shared "
+                               f"expert) is not supported; the DeepSeek-style shared experts are n_shared_experts")
     if r.integer("first_k_dense_replace", 0):
         raise UnsupportedError(f"{r.source}: first_k_dense_replace is DeepSeek's; a qwen3_moe config names its "
                                f"dense layers with mlp_only_layers")

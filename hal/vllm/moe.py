@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from vllm.config import get_current_vllm_config
 from vllm.model_executor.layers.fused_moe.config import FUSED_MOE_UNQUANTIZED_CONFIG
 from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
 from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
@@ -35,27 +36,47 @@ if TYPE_CHECKING:
     from hal.vllm.quant import HalConfig
 
 
-def _refusals(layer, shared_experts) -> list[str]:
-    """Why vLLM's FusedMoE ``layer`` would compute something the contract does not say (empty: none)."""
+def _shared_experts(hf_config) -> int:
+    """Shared-expert width of the model (Qwen2/3-MoE ``shared_expert_intermediate_size``, DeepSeek
+    ``n_shared_experts``): vLLM runs them in the MoE runner, beside the routed experts."""
+    return int(getattr(hf_config, "shared_expert_intermediate_size", 0) or 0) + \
+        int(getattr(hf_config, "n_shared_experts", 0) or 0)
+
+
+def _refusals(layer, hf_config) -> list[str]:
+    """Why vLLM's FusedMoE ``layer`` of the model ``hf_config`` would compute something the contract does
+    not say (empty: none). The layer's attributes are read directly (no defaults): a vLLM that renamed
+    one fails here, loudly."""
     moe = layer.moe_config
     reasons = []
-    activation = getattr(getattr(moe, "activation", None), "value", getattr(moe, "activation", "silu"))
-    if str(activation) != "silu" or not getattr(moe, "is_act_and_mul", True):
+    activation = getattr(moe.activation, "value", moe.activation)
+    if str(activation) != "silu" or not moe.is_act_and_mul:
         reasons.append(f"activation {activation!r} (the contract's expert MLP is silu(gate) * up)")
-    if getattr(moe, "has_bias", False):
+    if moe.has_bias:
         reasons.append("bias on the expert projections")
-    if getattr(layer, "global_num_experts", moe.num_experts) != getattr(layer, "local_num_experts", moe.num_experts):
+    if layer.global_num_experts != layer.local_num_experts:
         reasons.append("expert parallelism (each rank holds some experts; the combine would be split)")
-    if getattr(moe, "tp_size", 1) != 1 or getattr(moe, "ep_size", 1) != 1:
-        reasons.append(f"tensor/expert parallel size {getattr(moe, 'tp_size', 1)}/{getattr(moe, 'ep_size', 1)}")
-    if shared_experts is not None:
+    if moe.tp_size != 1 or moe.ep_size != 1:
+        reasons.append(f"tensor/expert parallel size {moe.tp_size}/{moe.ep_size}")
+    if _shared_experts(hf_config):
         reasons.append("shared experts (vLLM adds them after rounding the routed output)")
-    if getattr(layer, "custom_routing_function", None) is not None:
+    if layer.custom_routing_function is not None:
         reasons.append("a custom routing function")
-    if float(getattr(layer, "routed_scaling_factor", 1.0)) != 1.0:
+    if float(layer.routed_scaling_factor) != 1.0:
         reasons.append(f"routed_scaling_factor {layer.routed_scaling_factor} (vLLM scales the rounded output)")
-    if getattr(layer, "apply_router_weight_on_input", False):
+    if layer.apply_router_weight_on_input:
         reasons.append("routing weights applied to the input")
+    # Routing switches the model's config.json asks for but vLLM's layer was not built with (vLLM's
+    # Qwen3-MoE reads none of DeepSeek's): the trainer would honour them and the engine not.
+    asked = {"scoring_func": getattr(hf_config, "scoring_func", None) or "softmax",
+             "grouped top-k": (getattr(hf_config, "n_group", None) or 1) > 1,
+             "correction bias": getattr(hf_config, "topk_method", None) == "noaux_tc",
+             "routed_scaling_factor": float(getattr(hf_config, "routed_scaling_factor", None) or 1.0)}
+    built = {"scoring_func": str(layer.scoring_func), "grouped top-k": bool(layer.use_grouped_topk),
+             "correction bias": layer.e_score_correction_bias is not None,
+             "routed_scaling_factor": float(layer.routed_scaling_factor)}
+    reasons += [f"config.json asks for {key} = {asked[key]!r} but vLLM's layer was built with {built[key]!r}"
+                for key in asked if asked[key] != built[key]]
     return reasons
 
 
@@ -64,7 +85,7 @@ class HalFusedMoEMethod(FusedMoEMethodBase):
 
     def __init__(self, config: "HalConfig", layer, prefix: str):
         super().__init__(layer.moe_config)
-        reasons = _refusals(layer, getattr(layer, "shared_experts", None))
+        reasons = _refusals(layer, get_current_vllm_config().model_config.hf_config)
         if reasons:
             raise UnsupportedError(f"hal vLLM plugin: MoE layer {prefix!r} cannot run under the contract's [moe]: "
                                    f"{'; '.join(reasons)}")
