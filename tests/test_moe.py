@@ -30,7 +30,7 @@ from hal.model import autograd as ag
 from hal.model.checkpoint import load_pretrained, save_pretrained
 from hal.model.config import ModelConfig
 from hal.moe import Routing
-from hal.rollout import HarnessConfig, RolloutHarness, recompute_logprobs
+from hal.rollout import RolloutHarness, recompute_logprobs
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
