@@ -11,12 +11,10 @@ The cuda kernels' realisation runs under the interpreter in test_cuda_ascend_con
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import pytest
 import torch
-from test_contract_structure import (add32, backend_attention, blocked, div32, exact_sum_rn32, exp32, f32, mul32,
-                                     randn, rn32, sqrt32, to_tensor)
+from test_contract_structure import add32, attention, backend_attention, blocked, div32, f32, mul32, randn, sqrt32, to_tensor
 
 from hal.contract import ContractError, load_contract, parse_contract
 from hal.api import create_backend
@@ -48,44 +46,6 @@ def test_exp_and_scale_go_together():
         parse_contract(text.replace('exp = "exp"\nkv_chunk', 'exp = "exp2"\nkv_chunk'))
 
 
-def attention_row(q, keys, values, position, scale, spec, p_dtype):
-    """One query over keys 0..position as [attention] says, for either exp rule and either row sum."""
-    if spec.scale == "multiply":
-        factor, exp = f32(scale), exp32
-    else:
-        factor, exp = rn32(scale * (1.0 / math.log(2.0))), (lambda x: rn32(2.0 ** x))
-    s = [mul32(exact_sum_rn32([a * b for a, b in zip(q, k)]), factor) for k in keys[:position + 1]]
-    dim, split = len(values[0]), spec.kv_split or position + 1
-    big_m, big_l, big_a = -math.inf, 0.0, [0.0] * dim
-    for split_start in range(0, position + 1, split):
-        m, l, acc = -math.inf, 0.0, [0.0] * dim
-        for c0 in range(split_start, min(split_start + split, position + 1), spec.kv_chunk):
-            visible = range(c0, min(c0 + spec.kv_chunk, position + 1))
-            m_new = max(m, max(s[j] for j in visible))
-            alpha = exp(add32(m, -m_new)) if m != -math.inf else 0.0
-            p32 = [exp(add32(s[j], -m_new)) for j in visible]
-            p = to_tensor(p32, p_dtype).double().tolist()
-            row_sum = exact_sum_rn32(p if spec.row_sum == "sum_of_rounded_p" else p32)
-            pv = [exact_sum_rn32([pj * values[j][d] for pj, j in zip(p, visible)]) for d in range(dim)]
-            l = add32(mul32(l, alpha), row_sum)
-            acc = [add32(mul32(a_, alpha), b_) for a_, b_ in zip(acc, pv)]
-            m = m_new
-        merged = max(big_m, m)
-        a = exp(add32(big_m, -merged)) if big_m != -math.inf else 0.0
-        b = exp(add32(m, -merged))
-        big_l = add32(mul32(big_l, a), mul32(l, b))
-        big_a = [add32(mul32(x, a), mul32(y, b)) for x, y in zip(big_a, acc)]
-        big_m = merged
-    return [div32(x, big_l) for x in big_a]
-
-
-def rebuilt_attention(q, k, v, positions, spec):
-    group = q.shape[1] // k.shape[1]
-    return to_tensor([[attention_row(q[i, h].double().tolist(), k[:, h // group].double().tolist(),
-                                     v[:, h // group].double().tolist(), pos, q.shape[-1] ** -0.5, spec, q.dtype)
-                       for h in range(q.shape[1])] for i, pos in enumerate(positions)], q.dtype)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_reference_attention_is_the_ascend_rule(dtype):
     # kv_split shrunk to 256 so that a short sequence crosses KV chunks (128) and two split boundaries
@@ -96,7 +56,7 @@ def test_reference_attention_is_the_ascend_rule(dtype):
     queries = 4
     positions = list(range(n - queries, n))
     got = backend_attention(backend, q, k, v, queries)
-    assert torch.equal(got, rebuilt_attention(q[n - queries:], k, v, positions, spec))
+    assert torch.equal(got, attention(q[n - queries:], k, v, positions, spec))
     # Controls: each rule of the ascend contract decides bits on this input. The two row sums differ
     # only where P is rounded (bf16); the others are checked on fp32, whose output rounding hides less.
     if dtype == torch.bfloat16:
@@ -104,7 +64,7 @@ def test_reference_attention_is_the_ascend_rule(dtype):
     else:
         others = [dataclasses.replace(spec, scale="folded_log2e", exp="exp2"), dataclasses.replace(spec, kv_chunk=64)]
     for other in others:
-        assert not torch.equal(got, rebuilt_attention(q[n - queries:], k, v, positions, other)), other
+        assert not torch.equal(got, attention(q[n - queries:], k, v, positions, other)), other
 
 
 def rebuilt_rms_norm(x, w, eps, block, mean_rule):

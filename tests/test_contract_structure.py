@@ -15,6 +15,7 @@ within ~2**-29 of an fp32 rounding midpoint, which the fixed inputs here do not 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import struct
 from fractions import Fraction
@@ -250,41 +251,47 @@ def test_log_softmax_and_token_logprobs_use_the_contracts_vocab_chunks(backend):
 # ---------------------------------------------------------------------------------------------
 
 def attention_row(q: list[float], keys: list[list[float]], values: list[list[float]], position: int,
-                  scale: float, kv_chunk: int, kv_split: int, p_dtype: torch.dtype) -> list[float]:
-    """One query at ``position`` over keys 0..position, as [attention] says (see hal/contract.py docs)."""
-    scale_log2e = rn32(scale * (1.0 / math.log(2.0)))    # fl32(scale * log2 e)
-    s = [mul32(exact_sum_rn32([a * b for a, b in zip(q, k)]), scale_log2e) for k in keys[:position + 1]]
-    dim = len(values[0])
+                  scale: float, spec, p_dtype: torch.dtype) -> list[float]:
+    """One query at ``position`` over keys 0..position, as the [attention] section ``spec`` says (see
+    hal/contract.py docs): the exp2 rule with log2(e) folded into the scale, or the natural exp with the
+    scale multiplied (bf16-ascend-v1); the row sum of the rounded P or of the fp32 P."""
+    if spec.scale == "multiply":
+        factor, exp = f32(scale), exp32
+    else:
+        factor, exp = rn32(scale * (1.0 / math.log(2.0))), exp2_32     # fl32(scale * log2 e)
+    s = [mul32(exact_sum_rn32([a * b for a, b in zip(q, k)]), factor) for k in keys[:position + 1]]
+    dim, split = len(values[0]), spec.kv_split or position + 1
     big_m, big_l, big_a = -math.inf, 0.0, [0.0] * dim
-    for split_start in range(0, position + 1, kv_split or position + 1):
+    for split_start in range(0, position + 1, split):
         m, l, acc = -math.inf, 0.0, [0.0] * dim
-        for c0 in range(split_start, min(split_start + (kv_split or position + 1), position + 1), kv_chunk):
-            visible = range(c0, min(c0 + kv_chunk, position + 1))   # masked keys are selected out
+        for c0 in range(split_start, min(split_start + split, position + 1), spec.kv_chunk):
+            visible = range(c0, min(c0 + spec.kv_chunk, position + 1))   # masked keys are selected out
             m_new = max(m, max(s[j] for j in visible))
-            alpha = exp2_32(add32(m, -m_new)) if m != -math.inf else 0.0
-            p = to_tensor([exp2_32(add32(s[j], -m_new)) for j in visible], p_dtype).double().tolist()
-            row_sum = exact_sum_rn32(p)
+            alpha = exp(add32(m, -m_new)) if m != -math.inf else 0.0
+            p32 = [exp(add32(s[j], -m_new)) for j in visible]
+            p = to_tensor(p32, p_dtype).double().tolist()
+            row_sum = exact_sum_rn32(p if spec.row_sum == "sum_of_rounded_p" else p32)
             pv = [exact_sum_rn32([pj * values[j][d] for pj, j in zip(p, visible)]) for d in range(dim)]
             l = add32(mul32(l, alpha), row_sum)
             acc = [add32(mul32(a, alpha), b) for a, b in zip(acc, pv)]
             m = m_new
         merged = max(big_m, m)
-        a = exp2_32(add32(big_m, -merged)) if big_m != -math.inf else 0.0
-        b = exp2_32(add32(m, -merged))
+        a = exp(add32(big_m, -merged)) if big_m != -math.inf else 0.0
+        b = exp(add32(m, -merged))
         big_l = add32(mul32(big_l, a), mul32(l, b))
         big_a = [add32(mul32(x, a), mul32(y, b)) for x, y in zip(big_a, acc)]
         big_m = merged
     return [div32(x, big_l) for x in big_a]
 
 
-def attention(q, k, v, positions, kv_chunk, kv_split) -> torch.Tensor:
+def attention(q, k, v, positions, spec) -> torch.Tensor:
     """q (n, Hq, D) at ``positions``, k/v (L, Hkv, D): rebuilt row by row; GQA head h reads h // group."""
     group = q.shape[1] // k.shape[1]
     out = []
     for i, pos in enumerate(positions):
         out.append([attention_row(q[i, h].double().tolist(), k[:, h // group].double().tolist(),
-                                  v[:, h // group].double().tolist(), pos, q.shape[-1] ** -0.5, kv_chunk, kv_split,
-                                  q.dtype) for h in range(q.shape[1])])
+                                  v[:, h // group].double().tolist(), pos, q.shape[-1] ** -0.5, spec, q.dtype)
+                    for h in range(q.shape[1])])
     return to_tensor(out, q.dtype)
 
 
@@ -306,7 +313,9 @@ def test_attention_is_the_contracts_chunked_split_online_softmax(backend, dtype)
     queries = 2
     positions = list(range(n - queries, n))
     got = backend_attention(backend, q, k, v, queries)
-    assert torch.equal(got, attention(q[n - queries:], k, v, positions, spec.kv_chunk, spec.kv_split))
+    assert torch.equal(got, attention(q[n - queries:], k, v, positions, spec))
     if dtype == torch.float32:  # bf16 output rounding may hide a different merge: controls on fp32
-        assert not torch.equal(got, attention(q[n - queries:], k, v, positions, spec.kv_chunk // 2, spec.kv_split))
-        assert not torch.equal(got, attention(q[n - queries:], k, v, positions, spec.kv_chunk, spec.kv_split // 2))
+        half_chunk = dataclasses.replace(spec, kv_chunk=spec.kv_chunk // 2)
+        half_split = dataclasses.replace(spec, kv_split=spec.kv_split // 2)
+        assert not torch.equal(got, attention(q[n - queries:], k, v, positions, half_chunk))
+        assert not torch.equal(got, attention(q[n - queries:], k, v, positions, half_split))
