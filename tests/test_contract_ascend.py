@@ -14,7 +14,8 @@ import dataclasses
 
 import pytest
 import torch
-from test_contract_structure import add32, attention, backend_attention, blocked, div32, f32, mul32, randn, sqrt32, to_tensor
+from test_contract_structure import (add32, attention, backend_attention, blocked, div32, f32, mul32, randn, sqrt32,
+                                     to_tensor)
 
 from hal.contract import ContractError, load_contract, parse_contract
 from hal.api import create_backend
