@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from hal.backend import AttentionMetadata, Backend
 from hal.errors import HalError, WeightsChangedError
 from hal.kvcache import PagedKVCache, build_metadata, pages_needed
+from hal.moe import slots_by_expert
 
 
 # ---------------------------------------------------------------------------------------------
@@ -209,8 +210,9 @@ def moe_experts(backend: Backend, x: torch.Tensor, w13: torch.Tensor, w2: torch.
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         if shared is not None:
             out = out + shared.float()
-        for expert in ids.unique().tolist():
-            token, rank = (ids == expert).nonzero(as_tuple=True)
+        k = ids.shape[1]
+        for expert, slots in slots_by_expert(ids, w13.shape[0]):
+            token, rank = slots // k, slots % k
             gate, up = F.linear(x[token].float(), w13[expert].float()).chunk(2, dim=-1)
             y = F.linear(F.silu(gate) * up, w2[expert].float())
             out = out.index_add(0, token, weights[token, rank].unsqueeze(-1) * y)
