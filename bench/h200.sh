@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (the `device` tool), from the repository root:
-#   bash bench/h200.sh STEP...     steps: equal tile kit-quick kit-full negative model bench sweep profile vllm-part vllm
+#   bash bench/h200.sh STEP...     steps: equal tile kit-quick kit-full negative model prefill bench sweep profile vllm-part vllm
 #                                  (default: equal tile kit-quick negative model bench)
 # Installs this checkout (and the carried stevedore wheel in .whl/) into /tmp/site, then runs
 # from outside the checkout so that the installed package (with hal.backends.cuda) is imported.
@@ -13,6 +13,8 @@
 # Results go to $OUT (JSON + logs); commit them under bench/results/ with the command used.
 #   KIT_EXAMPLES   hypothesis examples per kit test for kit-quick and negative (default 8)
 #   KIT_SHARDS, KIT_SLICE_TIMEOUT   kit-full: slices run side by side (16, one per core) and each one's limit (480 s)
+#   KIT_CONTRACT, KIT_DEPTH   kit-full: the contract (default: the backend's first) and the depth (default --full;
+#                  e.g. "--quick --max-examples 4"); the merged report is conformance_cuda_<contract>.json
 #   SKIP_INSTALL   set: do not reinstall into /tmp/site (for a second h200.sh run beside a first one)
 #   BENCH_ARGS     extra arguments of bench_cuda.py (e.g. --quick)
 #   SWEEP_ONLY     speed_sweep.py's steps for `sweep` (default attention), timed by CUDA-graph replay
@@ -46,18 +48,18 @@ for step in $steps; do
               # and checks), sharing one Triton cache; each slice stops at KIT_SLICE_TIMEOUT seconds and keeps
               # what it finished (reports are written after every test): run the step again on the same warm
               # machine to resume the unfinished slices, then the merged report is complete.
-              n=${KIT_SHARDS:-16}; kit=/tmp/kit; mkdir -p "$kit"
+              n=${KIT_SHARDS:-16}; kit=/tmp/kit/${KIT_CONTRACT:-default}; mkdir -p "$kit"
+              report="$out/conformance_cuda_${KIT_CONTRACT:-full}"
               export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$kit/triton}
               for i in $(seq 1 "$n"); do
                 # one OpenMP thread per slice: 12 slices with 16 threads each on 16 cores spin against each other
-                OMP_NUM_THREADS=1 timeout "${KIT_SLICE_TIMEOUT:-480}" python3 -m hal.cli conformance --backend cuda --full --shard "$i/$n" \
-                  --resume "$kit/shard_$i.json" > "$kit/shard_$i.log" 2>&1 &
+                OMP_NUM_THREADS=1 timeout "${KIT_SLICE_TIMEOUT:-480}" python3 -m hal.cli conformance --backend cuda \
+                  ${KIT_CONTRACT:+--contract "$KIT_CONTRACT"} ${KIT_DEPTH:---full} --shard "$i/$n" --resume "$kit/shard_$i.json" > "$kit/shard_$i.log" 2>&1 &
               done
               wait
-              python3 -m hal.cli conformance merge "$kit"/shard_*.json -o "$out/conformance_cuda_full.json" \
-                > "$out/conformance_cuda_full.log" 2>&1 || status=1
-              tar czf "$out/kit_shards.tgz" -C "$kit" $(cd "$kit" && ls shard_*)
-              grep -E '^\||CONFORM|INCOMPLETE|tests run' "$out/conformance_cuda_full.md" | tail -n 30 ;;
+              python3 -m hal.cli conformance merge "$kit"/shard_*.json -o "$report.json" > "$report.log" 2>&1 || status=1
+              tar czf "$out/kit_shards_${KIT_CONTRACT:-full}.tgz" -C "$kit" $(cd "$kit" && ls shard_*)
+              grep -E '^\||CONFORM|INCOMPLETE|tests run' "$report.md" | tail -n 30 ;;
     negative) # stock kernels on the GPU: which levels they fail (a fact about cuBLAS / SDPA, not a test of ours)
               python3 -m hal.cli conformance --backend torch --max-examples "${KIT_EXAMPLES:-8}" \
                 --json "$out/conformance_torch.json" > "$out/conformance_torch.log" 2>&1
@@ -65,6 +67,10 @@ for step in $steps; do
     model) timeout ${MODEL_TIMEOUT:-300} python3 "$repo/bench/model_equality.py" --json "$out/model_equality.json" \
              > "$out/model_equality.log" 2>&1 || status=1
            tail -n 5 "$out/model_equality.log" ;;
+    prefill) # one prefill step's ops against the stock ones (bench/prefill_step.py; PREFILL_ARGS)
+             (cd "$repo/bench" && python3 prefill_step.py ${PREFILL_ARGS:-} --json "$out/prefill_step.json") \
+               > "$out/prefill_step.log" 2>&1 || status=1
+             tail -n 40 "$out/prefill_step.log" ;;
     bench) python3 "$repo/bench/bench_cuda.py" ${BENCH_ARGS:-} --json "$out/bench_cuda.json" > "$out/bench_cuda.log" 2>&1 || status=1
            tail -n 45 "$out/bench_cuda.log" ;;
     sweep) (cd "$repo/bench" && python3 speed_sweep.py --graph --only "${SWEEP_ONLY:-attention}" \
