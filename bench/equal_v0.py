@@ -23,7 +23,7 @@ import torch
 import old_kernels
 from hal.api import create_backend
 from hal.backends.cuda.launch import CUDA_LAUNCH
-from hal.kernels import attention, gemm, logprobs
+from hal.kernels import attention, gemm, logprobs, rows as row_kernels
 from hal.conformance.checks import random_tensor
 from hal.kvcache import build_metadata
 
@@ -103,6 +103,44 @@ def logprob_cases(contract, base, g, device, small):
     return rows
 
 
+def row_cases(contract, base, g, device, small):
+    """RMSNorm (+ residual) at widths of one block and of several, and rotary of q and k (strided views
+    of a fused QKV output, and contiguous), against the old kernels (whose rotary took one tensor)."""
+    from hal.rope import cos_sin_cache
+
+    import inspect
+
+    rows = []
+    spec = contract.rms_norm
+    # the first measured kernels took the row block itself, later ones the [rms_norm] section
+    old_spec = spec if "spec" in inspect.signature(base.rows.rms_norm).parameters else spec.row_block
+    tokens = (1, 7) if small else (1, 7, 300, 8192)
+    widths = (100, 2 * spec.row_block + 3) if small else (128, 2048, 4096, 2 * spec.row_block + 3)
+    for t in tokens:
+        for n in widths:
+            for dtype in (torch.bfloat16, torch.float32):
+                x = random_tensor((t, n), dtype, g, device=device, spread=4)
+                res = random_tensor((t, n), dtype, g, device=device, spread=4)
+                w = random_tensor((n,), dtype, g, device=device)
+                for r in (None, res):
+                    new = row_kernels.rms_norm(x, w, 1e-6, r, spec)
+                    old = base.rows.rms_norm(x, w, 1e-6, r, old_spec)
+                    same = torch.equal(new[0], old[0]) and (r is None or torch.equal(new[1], old[1]))
+                    rows.append(dict(op="rms_norm", case=f"T={t} n={n} {dtype} residual={r is not None}", equal=same))
+        for q_heads, k_heads, d, rot in ((16, 8, 128, 128), (32, 8, 128, 64), (5, 1, 64, 64)):
+            qkv = random_tensor((t, (q_heads + 2 * k_heads) * d), torch.bfloat16, g, device=device, spread=4)
+            q = qkv[:, :q_heads * d].view(t, q_heads, d)
+            k = qkv[:, q_heads * d:(q_heads + k_heads) * d].view(t, k_heads, d)
+            table = cos_sin_cache(rot, 8192, 1e6).to(device)
+            pos = torch.randint(0, 8192, (t,), generator=g).to(device)
+            old_q, old_k = base.rows.rotary(pos, q.contiguous(), table), base.rows.rotary(pos, k.contiguous(), table)
+            same = all(torch.equal(a, old_q) and torch.equal(b, old_k)
+                       for a, b in (row_kernels.rotary(pos, q, k, table),
+                                    row_kernels.rotary(pos, q.contiguous(), k.contiguous(), table)))
+            rows.append(dict(op="rotary", case=f"T={t} heads {q_heads}/{k_heads} d={d} rotary {rot}", equal=same))
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", required=True)
@@ -115,7 +153,7 @@ def main() -> int:
     g = torch.Generator().manual_seed(0)
     start = time.time()
     rows = []
-    for fn in (gemm_cases, attention_cases, logprob_cases):
+    for fn in (gemm_cases, attention_cases, logprob_cases, row_cases):
         rows += fn(contract, base, g, args.device, args.small)
         print(f"{fn.__name__} done at {time.time() - start:.0f}s", flush=True)
     ok = all(r["equal"] for r in rows)

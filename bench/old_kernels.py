@@ -15,7 +15,7 @@ from types import ModuleType
 
 DEFAULT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".old_kernels")
 PACKAGE = "base_kernels"
-MODULES = ("gemm", "attention", "logprobs")
+MODULES = ("gemm", "attention", "logprobs", "rows")
 
 
 def add_argument(parser) -> None:
@@ -25,7 +25,7 @@ def add_argument(parser) -> None:
 
 
 def load(base: str = DEFAULT_DIR) -> ModuleType:
-    """The package in ``base`` with its GEMM, attention and logprobs modules imported as attributes."""
+    """The package in ``base`` with its GEMM, attention, logprobs and rows modules imported as attributes."""
     init = os.path.join(base, "__init__.py")
     if not os.path.isfile(init):
         raise SystemExit(f"no old kernels in {base}: run `bash bench/old_kernels.sh [REF] {base}` on a "

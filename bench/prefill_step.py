@@ -11,7 +11,7 @@ time, whichever is larger: what an op costs between vLLM's graph pieces, and pre
 8192 tokens run outside vLLM's captured sizes). Stock: cuBLAS, torch's fused RMSNorm, and
 FlashAttention-2 varlen (``aten._flash_attention_forward``, K/V expanded to the query heads).
 
-    python3 bench/prefill_step.py --json $OUT/prefill_step.json [--shape 1.7b,8b] [--tokens 8192]
+    python3 bench/prefill_step.py --json $OUT/prefill_step.json [--shape 1.7b,8b] [--tokens 8192] [--attention-sweep]
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from hal.api import create_backend
 from hal.backend import AttentionMetadata
 
 PAGE = 64
+SWEEP = False   # --attention-sweep
 
 
 def prompts(tokens: int, gen: torch.Generator) -> list[int]:
@@ -118,16 +119,28 @@ def measure(shape: str, tokens: int, cuda) -> dict:
         r["TFLOPs"] = flops / r["graph_ms"] / 1e9
         print(f"    {r['TFLOPs']:.0f} TFLOP/s", flush=True)
     rows.append(r)
+    if SWEEP and not ds.DRY:
+        # launch shapes of the prefill attention (free: tile freedom, bench/tile_freedom.py): device time each
+        from hal.kernels import attention as attention_kernels
+        for block_q, warps, stages in ((16, 4, 2), (64, 4, 2), (64, 8, 2), (32, 8, 3), (64, 8, 3)):
+            call = lambda b=block_q, w=warps, st=stages: attention_kernels.paged_attention(  # noqa: E731
+                q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_table, scale,
+                cuda.contract.attention, policy=cuda._launch, block_q=b, num_warps=w, num_stages=st)
+            try:
+                same = torch.equal(call(), cuda.attention(q, k_cache, v_cache, meta, scale=scale))
+                rows.append(row(f"  attention BLOCK_Q={block_q} w{warps} s{stages}", call, same_bits=same))
+            except Exception as exc:   # noqa: BLE001 (out of resources: reported)
+                print(f"  attention BLOCK_Q={block_q} w{warps} s{stages}: {type(exc).__name__}", flush=True)
     h = torch.randn(len(lengths), hidden, device=ds.DEVICE, dtype=dt)
     emb = torch.randn(vocab, hidden, device=ds.DEVICE, dtype=dt) * hidden ** -0.5
     rows.append(row("logits GEMM (last tokens)", lambda: cuda.linear(h, emb, out_dtype=torch.float32),
                     lambda: F.linear(h, emb).float(), per_layer=0))
 
     def total(key):
-        return sum((r[key] if r.get(key) is not None else r["eager_ms"]) * (r["per_layer"] * layers or 1)
+        return sum(0 if r["op"].startswith("  ") else (r[key] if r.get(key) is not None else r["eager_ms"]) * (r["per_layer"] * layers or 1)
                    for r in rows)
     summary = {"step_graph_ms": total("graph_ms"), "step_eager_ms": total("eager_ms")}
-    stock_rows = [r for r in rows if r.get("stock_graph_ms")]
+    stock_rows = [r for r in rows if r.get("stock_graph_ms") and not r["op"].startswith("  ")]
     summary["stock_ops_ms"] = sum(r["stock_graph_ms"] * (r["per_layer"] * layers or 1) for r in stock_rows)
     summary["ours_same_ops_ms"] = sum(r["graph_ms"] * (r["per_layer"] * layers or 1) for r in stock_rows)
     print("  step totals: " + ", ".join(f"{k} {v:.2f} ms" for k, v in summary.items()), flush=True)
@@ -140,7 +153,10 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", default="8192")
     parser.add_argument("--json")
     parser.add_argument("--dry", action="store_true", help="check the script on the CPU (TRITON_INTERPRET=1)")
+    parser.add_argument("--attention-sweep", action="store_true", help="also time prefill attention launch shapes")
     args = parser.parse_args(argv)
+    global SWEEP
+    SWEEP = args.attention_sweep
     if args.dry:
         ds.DEVICE, ds.DRY = "cpu", True
         args.shape, args.tokens = "tiny", "300"

@@ -477,3 +477,60 @@ def test_hal_tune_refuses_clearly_without_a_gpu_or_a_config(tmp_path, monkeypatc
     shapes, out_dtypes = model_gemm_shapes(ModelConfig.from_hf(json.loads(config.read_text())), [1, 8])
     assert sorted({(n, k) for _, n, k in shapes}) == [(256, 256), (256, 512), (512, 256), (1000, 256), (1024, 256)]
     assert len(shapes) == 10 and out_dtypes == {(1000, 256): torch.float32}      # the logits GEMM in fp32
+
+
+def test_rotary_views_and_one_launch_equal_the_reference(cuda, reference):
+    """Rotary reads q and k through their strides (views of a fused QKV output, no copy) in one launch:
+    the same bits as the reference for contiguous and strided inputs, full and partial rotary, head
+    counts that leave the last head block part-full."""
+    from hal.conformance.checks import random_tensor
+    from hal.rope import cos_sin_cache
+
+    g = torch.Generator().manual_seed(3)
+    for dtype, q_heads, k_heads, head_dim, rotary_dim in ((torch.bfloat16, 20, 4, 64, 64),
+                                                           (torch.float32, 3, 1, 48, 32)):
+        tokens = 7
+        qkv = random_tensor((tokens, (q_heads + 2 * k_heads) * head_dim), dtype, g, spread=4)
+        q = qkv[:, :q_heads * head_dim].view(tokens, q_heads, head_dim)           # strided views
+        k = qkv[:, q_heads * head_dim:(q_heads + k_heads) * head_dim].view(tokens, k_heads, head_dim)
+        assert not q.is_contiguous()
+        table = cos_sin_cache(rotary_dim, 64, 1e4)
+        positions = torch.randint(0, 64, (tokens,), generator=g)
+        want_q, want_k = reference.rotary(positions, q.contiguous(), k.contiguous(), table)
+        for got_q, got_k in (cuda.rotary(positions, q, k, table),
+                             cuda.rotary(positions, q.contiguous(), k.contiguous(), table)):
+            assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+        # negative control: the kernel sees the rotation (a wrong position changes the bits)
+        moved_q, _ = cuda.rotary(positions + 1, q, k, table)
+        assert not torch.equal(moved_q, want_q)
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_rms_norm_one_block_path_equals_the_two_pass_path(residual):
+    """A row of one block is read once (``ONE_BLOCK``): the same bits as the two-pass loop over the
+    same block width, at widths below, at and across one block; a changed eps changes them."""
+    import triton
+
+    from hal.conformance.checks import random_tensor
+    from hal.kernels import rows
+    from hal.kernels.common import LAUNCH
+
+    g = torch.Generator().manual_seed(4)
+
+    def run(x, w, res, block, one_block, eps=1e-6):
+        out, res_out = torch.empty_like(x), torch.empty_like(x)
+        r = res if res is not None else x
+        rows._rms_norm_kernel[(x.shape[0],)](x, r, w, out, res_out, x.shape[1], x.stride(0), r.stride(0),
+                                             out.stride(0), res_out.stride(0), eps, HAS_RESIDUAL=res is not None,
+                                             IS_BF16=x.dtype == torch.bfloat16, BLOCK=block,
+                                             MEAN_RECIPROCAL=False, ONE_BLOCK=one_block, **LAUNCH)
+        return out, res_out if res is not None else None
+
+    for n in (100, 128):
+        x = random_tensor((3, n), torch.bfloat16, g, spread=4)
+        res = random_tensor((3, n), torch.bfloat16, g, spread=4) if residual else None
+        w = random_tensor((n,), torch.bfloat16, g)
+        block = triton.next_power_of_2(n)
+        one, two = run(x, w, res, block, True), run(x, w, res, block, False)
+        assert torch.equal(one[0], two[0]) and (not residual or torch.equal(one[1], two[1]))
+        assert not torch.equal(run(x, w, res, block, True, eps=0.5)[0], one[0])

@@ -54,7 +54,7 @@ class TritonOps:
         return self._rows.silu_mul(gate_up.contiguous())
 
     def rotary(self, positions, q, k, table):
-        return (self._rows.rotary(positions, q.contiguous(), table), self._rows.rotary(positions, k.contiguous(), table))
+        return self._rows.rotary(positions, q, k, table)
 
     def sum(self, x2):
         return self._rows.reduce_last(x2.contiguous(), False, self.contract.reduce)

@@ -126,7 +126,7 @@ class CudaBackend(Backend):
     def rotary(self, positions, q, k, cos_sin_cache):
         table = cos_sin_cache.to(q.device).contiguous()
         pos = positions.to(q.device).contiguous()
-        return (self._rows.rotary(pos, q.contiguous(), table), self._rows.rotary(pos, k.contiguous(), table))
+        return self._rows.rotary(pos, q, k, table)   # q and k in one launch, read through their strides
 
     def log_softmax(self, logits, temperature=1.0):
         return self._logprobs.log_softmax(logits.contiguous(), float(temperature), self.contract.logprobs)
