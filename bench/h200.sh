@@ -37,7 +37,7 @@ for step in $steps; do
   echo "== $step"
   case $step in
     equal) # the current kernels against the old ones in .old_kernels (bench/old_kernels.sh): bitwise equal
-           python3 "$repo/bench/equal_v0.py" --base "$repo/.old_kernels" --json "$out/equal_v0.json" > "$out/equal_v0.log" 2>&1 || status=1
+           python3 "$repo/bench/equal_v0.py" --base "$repo/.old_kernels" ${EQUAL_ARGS:-} --json "$out/equal_v0.json" > "$out/equal_v0.log" 2>&1 || status=1
            tail -n 5 "$out/equal_v0.log" ;;
     tile) python3 "$repo/bench/tile_freedom.py" --json "$out/tile_freedom.json" > "$out/tile_freedom.log" 2>&1 || status=1
           tail -n 20 "$out/tile_freedom.log" ;;

@@ -54,7 +54,10 @@ def _inverse_rms(sum_sq, n, eps, MEAN_RECIPROCAL: tl.constexpr):
     return tl.div_rn(1.0, tl.sqrt_rn(mean_sq + eps))
 
 
-@triton.jit(do_not_specialize=["n"])
+# ``n`` is specialised (Triton notes whether it is a multiple of 16): with it unknown the ``offs < n``
+# mask kept every load and store scalar, and RMSNorm + residual at 8192 x 2048 bf16 ran at 1.4 TB/s
+# (95 us on the H200, torch 48 us). Specialisation changes the instructions, not the arithmetic.
+@triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n, stride_x, stride_r, stride_o, stride_ro, eps,
                      HAS_RESIDUAL: tl.constexpr, IS_BF16: tl.constexpr, BLOCK: tl.constexpr,
                      MEAN_RECIPROCAL: tl.constexpr, ONE_BLOCK: tl.constexpr):
@@ -64,8 +67,7 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n, stride_x, s
     if ONE_BLOCK:
         # The row is one block (n <= BLOCK): read once and kept in registers for the second step. The
         # same sum as _row_sum's (+0 plus the block's tl.sum) over the same loaded tile: the same bits,
-        # with half the loads (the two-pass form below ran RMSNorm + residual at 8192 x 2048 bf16 in
-        # 88 us on the H200, 1.8x torch's).
+        # with half the loads.
         offs = tl.arange(0, BLOCK)
         mask = offs < n
         x = _load_row(x_row, r_row, offs, mask, HAS_RESIDUAL, IS_BF16)
