@@ -257,11 +257,7 @@ def _end_of_chunk(big_m, big_l, big_a, m, l, acc, n0, hi, q_row_ok, positions, t
     return big_m, big_l, big_a, m, l, acc
 
 
-# The per-call counts are not specialised: Triton would compile a variant for each pattern of
-# "multiple of 16 / equal to 1" they show (the batch's sequence and tile counts change every engine
-# step), which compiled new variants in the middle of a vLLM run and most of the conformance kit's
-# attention time; none of them strides memory, so no load is vectorised by them.
-@triton.jit(do_not_specialize=["num_seqs", "num_tiles", "num_q_heads", "max_splits", "group"])
+@triton.jit
 def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_a_ptr, part_pos_ptr,
                       query_start_ptr, seq_lens_ptr, block_table_ptr, num_seqs, num_tiles,
                       stride_qt, stride_qh, stride_bt, stride_kp, stride_kr, stride_kh, stride_ot, stride_oh,
@@ -353,7 +349,7 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part
                  to_activation(out, IS_BF16), mask=q_row_ok[:, None])
 
 
-@triton.jit(do_not_specialize=["num_q_heads", "max_splits"])
+@triton.jit
 def _merge_kernel(part_m_ptr, part_l_ptr, part_a_ptr, part_pos_ptr, out_ptr, stride_ot, stride_oh, num_q_heads,
                   max_splits, KV_SPLIT: tl.constexpr, HEAD_DIM: tl.constexpr, IS_BF16: tl.constexpr,
                   EXP2: tl.constexpr):
