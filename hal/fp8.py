@@ -161,3 +161,65 @@ def block_gemm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scal
     if bias is not None:
         acc = acc + bias.float()
     return acc.to(out_dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# The FP8 KV cache: quantise on write, dequantise in the one read path.
+# ---------------------------------------------------------------------------------------------
+
+class Fp8KVCache:
+    """A paged KV cache stored in [fp8].kv_format, with its scales.
+
+    k, v: (num_pages, P, Hkv, D) fp8; k_scale, v_scale: (num_pages, P, Hkv) fp32 per (token, head)
+    ([fp8].kv_scale = "per_token_head") or the model's fixed fp32 scale per layer ("fixed"). ``write``
+    quantises each token's K and V per head by the scale rule (from that token-head vector alone, so a
+    token's cache bits do not depend on which call wrote it or with whom); ``read`` is the one read
+    path that prefill, chunked prefill, decode and training all go through: k = round_act(fl32(fp32(q) *
+    scale)). Unwritten slots read as NaN (fp8 NaN, NaN scale), which [attention].mask keeps out."""
+
+    def __init__(self, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, spec: Fp8,
+                 device: torch.device | str = "cpu", fixed_scales: tuple[float, float] = (1.0, 1.0)):
+        self.spec = spec
+        dtype = FORMATS[spec.kv_format]
+        shape = (num_pages, page_size, num_kv_heads, head_dim)
+        self.k = torch.full(shape, float("nan"), device=device).to(dtype)
+        self.v = torch.full(shape, float("nan"), device=device).to(dtype)
+        if spec.kv_scale == "per_token_head":
+            self.k_scale = torch.full(shape[:3], float("nan"), device=device)
+            self.v_scale = torch.full(shape[:3], float("nan"), device=device)
+        else:   # "fixed": one fp32 scale for K and one for V (the model's; 1.0 when it gives none)
+            self.k_scale = torch.tensor(fixed_scales[0], dtype=torch.float32, device=device)
+            self.v_scale = torch.tensor(fixed_scales[1], dtype=torch.float32, device=device)
+
+    @property
+    def page_size(self) -> int:
+        return self.k.shape[1]
+
+    def _quantise(self, x: torch.Tensor, fixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.spec.kv_scale == "per_token_head":
+            return quantise_pieces(x, self.spec, self.spec.kv_format)
+        return quantise(x, fixed, self.spec, self.spec.kv_format), None
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Store k, v (T, Hkv, D) at flat slots ``page * P + row`` (T,); slot -1 skips."""
+        if k.shape != v.shape or k.dim() != 3 or k.shape[1:] != self.k.shape[2:] or slot_mapping.shape != k.shape[:1]:
+            raise UnsupportedError(f"Fp8KVCache.write: k and v must be (T, Hkv={self.k.shape[2]}, D={self.k.shape[3]}) "
+                                   f"with one slot per token; got k {tuple(k.shape)}, v {tuple(v.shape)}, slots "
+                                   f"{tuple(slot_mapping.shape)}")
+        keep = slot_mapping >= 0
+        slots = slot_mapping[keep].long()
+        page, row = slots // self.page_size, slots % self.page_size
+        for x, cache, scales in ((k[keep], self.k, "k_scale"), (v[keep], self.v, "v_scale")):
+            q, scale = self._quantise(x, getattr(self, scales))
+            cache[page, row] = q
+            if scale is not None:
+                getattr(self, scales)[page, row] = scale
+
+    def _dequantise(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        s = scale.unsqueeze(-1) if scale.dim() else scale
+        return (q.float() * s).to(dtype)                    # round_act(fl32(fp32(q) * scale))
+
+    def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The dequantised (num_pages, P, Hkv, D) K and V caches in the activation dtype: what every
+        phase's ``Backend.attention`` reads."""
+        return self._dequantise(self.k, self.k_scale, dtype), self._dequantise(self.v, self.v_scale, dtype)
