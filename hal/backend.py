@@ -97,6 +97,8 @@ class Capabilities:
         reasons = []
         for key, allowed in self.contract_values.items():
             section, name = key.split(".")
+            if getattr(contract, section) is None:   # an optional section the contract leaves out
+                continue
             value = getattr(getattr(contract, section), name)
             if not allowed.check(value):
                 reasons.append(f"[{section}].{name} = {value!r} (realised: {allowed.says})")
@@ -466,6 +468,22 @@ class Backend(abc.ABC):
         raise UnsupportedError(f"backend {self.name!r} does not realise mixture-of-experts layers "
                                f"(moe_experts); use one that does (`hal doctor`)")
 
+    # Block-FP8 linears (``hal.fp8``; the contract's [fp8]). Not abstract: a backend without FP8
+    # refuses them, and a bf16 model never calls them.
+
+    def fp8_linear(self, x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
+                   bias: torch.Tensor | None = None, *, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``x @ dequant(weight).T (+ bias)`` with x quantised to FP8 per 1 x 128 group, as [fp8] says.
+
+        x: (..., K) activations (bf16/fp32), K a multiple of [fp8].activation_group; weight: (N, K)
+        float8_e4m3fn; weight_scale_inv: (ceil(N/128), K/128) fp32, DeepSeek's layout (w = w_fp8 *
+        scale_inv per block); bias: (N,) in x's dtype or None. Per K block of 128: an fp32 partial of
+        the fp8 values, scaled by fl32(a_scale * w_scale_inv), added in ascending order in fp32 from
+        +0; bias in fp32; one rounding to ``out_dtype`` (default x.dtype).
+        """
+        raise UnsupportedError(f"backend {self.name!r} does not realise FP8 linears (fp8_linear); use one that "
+                               f"does (`hal doctor`)")
+
 
 # -- the shared input checks, run before every op of every backend ---------------------------------
 # Each takes the op's arguments and returns None (go on to the backend) or the op's result for an
@@ -645,12 +663,38 @@ def _moe_experts_input(self, x, w13, w2, topk_weights, topk_ids, shared=None):
     return None
 
 
+def _fp8_linear_input(self, x, weight, weight_scale_inv, bias=None, *, out_dtype=None):
+    from hal import fp8
+
+    op = "fp8_linear"
+    self.check_not_meta(op, x, weight, weight_scale_inv, bias)
+    # A contract backend needs the contract's [fp8]; the stock baseline (no contract) runs on the
+    # usual 128 x 128 layout, which is all the shape checks need.
+    spec = fp8.spec_of(self.contract, f"{self.name}.{op}") if self.contract is not None else fp8.baseline_spec()
+    dtype = self.check_dtype(op, x)
+    if x.dim() == 0:
+        raise UnsupportedError(f"{self.name}.{op}: x must be (..., K), got a scalar")
+    k = x.shape[-1]
+    fp8.check_k(k, spec, f"{self.name}.{op}")
+    fp8.check_weight(weight, weight_scale_inv, k, spec, f"{self.name}.{op}")
+    n = weight.shape[0]
+    if bias is not None and (bias.shape != (n,) or bias.dtype != dtype):
+        raise UnsupportedError(f"{self.name}.{op}: bias must be ({n},) {dtype}, got {tuple(bias.shape)} {bias.dtype}")
+    out_dtype = out_dtype or dtype
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise UnsupportedError(f"{self.name}.{op}: out_dtype must be bfloat16 or float32, got {out_dtype}")
+    self.check_devices(op, x, weight, weight_scale_inv, bias)
+    if _rows(x) == 0 or n == 0:
+        return x.new_empty((*x.shape[:-1], n), dtype=out_dtype)
+    return None
+
+
 _INPUT_CHECKS = {
     "linear": _linear_input, "attention": _attention_input, "write_kv": _write_kv_input,
     "rms_norm": _rms_norm_input, "silu_mul": _silu_mul_input, "rotary": _rotary_input,
     "log_softmax": _log_softmax_input, "token_logprobs": _token_logprobs_input,
     "sum": _reduce_input("sum"), "mean": _reduce_input("mean"), "topk": _topk_input,
-    "moe_route": _moe_route_input, "moe_experts": _moe_experts_input,
+    "moe_route": _moe_route_input, "moe_experts": _moe_experts_input, "fp8_linear": _fp8_linear_input,
 }
 
 

@@ -53,6 +53,10 @@ def _str(doc: str) -> Any:
                            "expected": "a non-empty string", "doc": doc})
 
 
+def _float(check: Callable[[float], bool], expected: str, doc: str) -> Any:
+    return field(metadata={"type": float, "check": check, "expected": expected, "doc": doc})
+
+
 def _str_list(allowed: tuple[str, ...] | None, doc: str) -> Any:
     expected = ("a non-empty list of " + ", ".join(repr(a) for a in allowed)) if allowed \
         else "a list of strings"
@@ -273,15 +277,81 @@ class Moe:
                                                           "(activation dtype) added in fp32, one rounding")
 
 
+#: The finite maximum of each FP8 format (float8_e4m3fn has no infinity; its 0x7f/0xff are NaN).
+FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
+
+
+@dataclass(frozen=True)
+class Fp8:
+    """Block-scaled FP8 linears and the FP8 KV cache (only in contracts for FP8 models; see
+    ``OPTIONAL_SECTIONS``). ``hal/fp8.py`` writes each rule once; ``docs/fp8.md`` explains them.
+
+    Scale rule (activations per 1 x group, weights per block x block when the trainer quantises its
+    master weights, KV per token and head): amax = max |x| over the piece (exact in any order);
+    scale = fl32(max(amax, fl32(amax_floor)) / FMAX) with a correctly rounded division, FMAX the
+    format's finite maximum (448 for e4m3); q = rne_fp8(clamp(fl32(x / scale), -FMAX, FMAX)): a
+    correctly rounded division (never a multiply by a reciprocal), then one round-to-nearest-even
+    cast (subnormals kept). A checkpoint's weight scales are used as stored (``weight_scale_inv``)."""
+
+    weight_format: str = _choice("e4m3", doc="weights are float8_e4m3fn")
+    activation_format: str = _choice("e4m3", doc="activations are quantised to float8_e4m3fn")
+    activation_group: int = _int(lambda v: v == 128, "128",
+                                 "activations are quantised per 1 x activation_group piece of a row along K, at "
+                                 "absolute offsets 0, G, 2G, ...; each piece's scale comes from that piece alone")
+    weight_block: int = _int(lambda v: v == 128, "128 (= activation_group)",
+                             "weights carry one fp32 scale_inv per weight_block x weight_block block (N, K), "
+                             "DeepSeek-style: w = fp32(w_fp8) * scale_inv")
+    scale: str = _choice("amax_div_max_rn", doc="scale = fl32(max(amax, fl32(amax_floor)) / FMAX), division "
+                                                 "correctly rounded; stored fp32")
+    amax_floor: float = _float(lambda v: 0.0 < v < 1.0, "a float in (0, 1)",
+                               "the smallest amax a scale is computed from (an all-zero piece gets scale "
+                               "fl32(amax_floor) / FMAX and quantises to exact zeros, never 0/0)")
+    quantise: str = _choice("div_rn_clamp_rne", doc="q = rne_fp8(clamp(fl32(x / scale), -FMAX, FMAX)): correctly "
+                                                    "rounded division, clamp, one nearest-even cast")
+    gemm_partial: str = _choice("fp32_per_k_block", doc="per K block of activation_group (absolute offsets): "
+                                                        "partial = the fp32 dot of the fp8 values, accumulated from "
+                                                        "zero (products are exact in fp32; the order inside a "
+                                                        "block is implementation-defined, as a [gemm] chunk's)")
+    gemm_scale: str = _choice("partial_times_scale_product", doc="acc = fl32(acc + fl32(partial * "
+                                                                 "fl32(a_scale * w_scale_inv))): the two scales "
+                                                                 "multiplied first, then the partial, then the add "
+                                                                 "(no FMA)")
+    gemm_order: str = _choice("ascending", doc="acc starts at +0 and takes the K blocks in ascending order; the "
+                                               "bias is added in fp32, then one nearest-even rounding to the "
+                                               "output dtype")
+    kv_format: str = _choice("e4m3", "e5m2", doc="the KV cache's fp8 format (float8_e4m3fn or float8_e5m2)")
+    kv_scale: str = _choice("per_token_head", "fixed",
+                            doc="per_token_head: each (token, KV head) vector of D values gets its own scale by "
+                                "the scale rule, stored fp32 beside the cache; fixed: one fp32 scale per layer "
+                                "and K/V given by the model (1.0 when it gives none)")
+    kv_dequant: str = _choice("fp32_multiply_round_act", doc="the one read path (prefill, chunked prefill, decode, "
+                                                              "training): k = round_act(fl32(fp32(q) * scale))")
+
+    # The rules derived from these values, written once for every backend and the kit.
+
+    def fmax(self, fmt: str) -> float:
+        """The finite maximum of FP8 format ``fmt`` ("e4m3" or "e5m2")."""
+        return FP8_MAX[fmt]
+
+    def group_count(self, k: int) -> int:
+        """How many activation groups (= K blocks of the FP8 GEMM) a reduced dim of ``k`` has."""
+        return -(-k // self.activation_group)
+
+    def group_ranges(self, k: int) -> list[tuple[int, int]]:
+        """[start, end) of each activation group / K block, in the order the GEMM adds them."""
+        return _ranges(k, self.activation_group)
+
+
 SECTIONS: dict[str, type] = {
     "contract": Header, "gemm": Gemm, "attention": Attention, "rms_norm": RmsNorm,
     "silu_mul": SiluMul, "rope": Rope, "logprobs": Logprobs, "reduce": Reduce, "topk": TopK,
-    "moe": Moe,
+    "moe": Moe, "fp8": Fp8,
 }
 #: Sections a contract may leave out: a contract without [moe] covers dense models only, and an MoE
 #: layer refuses to run under it. An absent section is absent from the fingerprint too, so adding an
-#: optional section to the schema changes no existing contract's fingerprint.
-OPTIONAL_SECTIONS = ("moe",)
+#: optional section to the schema changes no existing contract's fingerprint. Likewise [fp8]: a contract
+#: without it has no FP8 linears or FP8 KV cache, and those refuse to run under it.
+OPTIONAL_SECTIONS = ("moe", "fp8")
 
 
 @dataclass(frozen=True)
@@ -298,6 +368,7 @@ class Contract:
     reduce: Reduce
     topk: TopK
     moe: Moe | None = None
+    fp8: Fp8 | None = None
     source: str = field(compare=False, default="<memory>")
 
     @property
@@ -338,7 +409,7 @@ class Contract:
 # ---------------------------------------------------------------------------------------------
 
 def _type_name(t: type) -> str:
-    return {str: "a string", int: "an integer", list: "a list"}.get(t, t.__name__)
+    return {str: "a string", int: "an integer", float: "a float", list: "a list"}.get(t, t.__name__)
 
 
 def _validate_section(source: str, section: str, cls: type, raw: Any) -> Any:

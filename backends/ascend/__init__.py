@@ -206,6 +206,19 @@ class AscendBackend(Backend):
     def moe_experts(self, x, w13, w2, topk_weights, topk_ids, shared=None):
         raise UnsupportedError(self._MOE_REFUSAL)
 
+    # Block FP8: not realised. The route would be torch_npu's quantised matmuls (npu_quant_matmul with
+    # per-group scales) and its dynamic quantisation (npu_dynamic_quant), but no NPU was reachable to
+    # establish whether their FP8 data types exist on the targeted chips, how they form and scale a K
+    # block's partial and in which order they add the blocks, against [fp8]; the backend's contracts do
+    # not include bf16-fp8-v1 (binding an FP8 contract is refused before this).
+    _FP8_REFUSAL = ("backend 'ascend' does not realise FP8 linears: torch_npu's quantised matmul and dynamic "
+                    "quantisation are not checked against the contract's [fp8] (the group scale rule, the "
+                    "per-block partial, the scale order, ascending K blocks) on an NPU; run FP8 models on "
+                    "'cuda' or 'reference'")
+
+    def fp8_linear(self, x, weight, weight_scale_inv, bias=None, *, out_dtype=None):
+        raise UnsupportedError(self._FP8_REFUSAL)
+
 
 def _rotary_torch(positions, x, table):
     """Neox rotary with one torch op per product and sum: fl(fl(x1 c) - fl(x2 s)), no FMA."""

@@ -23,7 +23,7 @@ import os
 
 import torch
 
-from hal import moe
+from hal import fp8, moe
 from hal.backend import Allowed, AttentionMetadata, Backend, Capabilities, Probe, mark_values_checked
 from hal.errors import UnsupportedError
 from hal.kernels.realises import CONTRACT_VALUES, HEAD_DIMS
@@ -31,7 +31,7 @@ from hal.kernels.realises import CONTRACT_VALUES, HEAD_DIMS
 MIN_CAPABILITY = (8, 0)  # bf16 tensor-core MMA
 
 CAPABILITIES = Capabilities(
-    contracts=("bf16-dense-v1", "bf16-moe-v1", "bf16-ascend-v1"),
+    contracts=("bf16-dense-v1", "bf16-moe-v1", "bf16-ascend-v1", "bf16-fp8-v1"),
     dtypes=(torch.bfloat16, torch.float32),
     head_dims=HEAD_DIMS,
     page_sizes=None,  # any: a KV chunk that crosses pages is loaded key by key
@@ -79,14 +79,14 @@ class CudaBackend(Backend):
     def __init__(self, contract, device=None):
         super().__init__(contract, device)
         from hal.backends.cuda.launch import CUDA_LAUNCH
-        from hal.kernels import attention, gemm, kv_write, logprobs, moe, rows
+        from hal.kernels import attention, fp8_gemm, gemm, kv_write, logprobs, moe, rows
 
         if _interpreting():
             from hal.kernels.interpreter import patch_row_dot
 
             patch_row_dot()
         self._gemm, self._attention, self._rows, self._logprobs = gemm, attention, rows, logprobs
-        self._kv_write, self._moe = kv_write, moe
+        self._kv_write, self._moe, self._fp8_gemm = kv_write, moe, fp8_gemm
         self._launch = CUDA_LAUNCH
 
     # -- GEMM ---------------------------------------------------------------------------------
@@ -161,3 +161,14 @@ class CudaBackend(Backend):
         self.check_devices("moe_experts", x, w13, w2, topk_weights, topk_ids, shared)
         return self._moe.experts(x.contiguous(), w13, w2, topk_weights, topk_ids, shared, self.contract.gemm,
                                  self._rows.silu_mul)
+
+    # -- block FP8 ([fp8]) ----------------------------------------------------------------------
+
+    def fp8_linear(self, x, weight, weight_scale_inv, bias=None, *, out_dtype=None):
+        # Two launches (hal/kernels/fp8_gemm.py): the per-group activation quantisation, then the
+        # block-scaled GEMM; each token's groups are quantised from that token alone.
+        spec = fp8.spec_of(self.contract, "cuda.fp8_linear")
+        x2 = x.reshape(-1, x.shape[-1])
+        out = self._fp8_gemm.linear(x2, weight, weight_scale_inv, bias, out_dtype or x.dtype, spec,
+                                    policy=self._launch)
+        return out.reshape(*x.shape[:-1], weight.shape[0])

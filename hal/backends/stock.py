@@ -139,6 +139,18 @@ class TorchBackend(Backend):
             out.index_add_(0, token, (y * topk_weights[token, rank].unsqueeze(-1).to(y.dtype)))
         return out
 
+    def fp8_linear(self, x, weight, weight_scale_inv, bias=None, *, out_dtype=None):
+        # vLLM's per-tensor dynamic FP8 (scaled_fp8_quant without a static scale): one activation scale
+        # from the amax of the whole batch, so a token's FP8 values follow its batch-mates; then the
+        # dequantised product through F.linear (its BLAS picks the reduction order by shape).
+        scale = (x.float().abs().amax().clamp(min=1e-10) / 448.0)
+        xq = (x.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+        b = 128
+        n, k = weight.shape
+        w = weight.float() * weight_scale_inv.repeat_interleave(b, 0).repeat_interleave(b, 1)[:n, :k]
+        out = F.linear(xq.float() * scale, w, None if bias is None else bias.float())
+        return out.to(out_dtype or x.dtype)
+
 
 def _log_softmax(logits, temperature):
     return torch.log_softmax(logits.float() / temperature, dim=-1)

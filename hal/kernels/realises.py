@@ -35,8 +35,17 @@ _CHOICES = {
     "topk.ties": "lower_index", "topk.order": "value_desc_index_asc",
 }
 
+#: [fp8]'s choices that hal/kernels/fp8_gemm.py implements (the KV-cache keys are not listed: no kernel
+#: reads an FP8 cache yet, and the cuda backend refuses one per call).
+FP8_CHOICES = {
+    "fp8.weight_format": "e4m3", "fp8.activation_format": "e4m3", "fp8.scale": "amax_div_max_rn",
+    "fp8.quantise": "div_rn_clamp_rne", "fp8.gemm_partial": "fp32_per_k_block",
+    "fp8.gemm_scale": "partial_times_scale_product", "fp8.gemm_order": "ascending",
+}
+
 CONTRACT_VALUES = {
     **{key: Allowed.one_of(value) for key, value in _CHOICES.items()},
+    **{key: Allowed.one_of(value) for key, value in FP8_CHOICES.items()},
     # Choices with more than one implementation in the kernels' source (constexpr switches: EXP2 and
     # ROUNDED_SUM in attention.py, MEAN_RECIPROCAL in rows.py); bf16-ascend-v1 uses the second of each.
     "attention.scale": Allowed.one_of("folded_log2e", "multiply"),

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from hal import moe
+from hal import fp8, moe
 from hal.backend import AttentionMetadata, Backend, Probe
 from hal.backends.reference import exact
 from hal.backends.reference.attention import paged_attention
@@ -51,7 +51,7 @@ class ReferenceBackend(Backend):
     name = "reference"
     description = "pure PyTorch, contract-exact and invariant by construction (CPU or any torch device)"
     kind = "cpu"
-    contracts = ("bf16-dense-v1", "bf16-moe-v1", "bf16-ascend-v1")
+    contracts = ("bf16-dense-v1", "bf16-moe-v1", "bf16-ascend-v1", "bf16-fp8-v1")
     dtypes = (torch.bfloat16, torch.float32)
 
     @classmethod
@@ -172,6 +172,16 @@ class ReferenceBackend(Backend):
     def moe_experts(self, x, w13, w2, topk_weights, topk_ids, shared=None):
         moe.check_contract(self)
         return moe.experts(self, x, w13, w2, topk_weights, topk_ids, shared)
+
+
+    # -- block FP8 ([fp8], hal/fp8.py) -----------------------------------------------------------
+
+    def fp8_linear(self, x, weight, weight_scale_inv, bias=None, *, out_dtype=None):
+        spec = fp8.spec_of(self.contract, "reference.fp8_linear")
+        k = x.shape[-1]
+        xq, x_scale = fp8.quantise_activations(x.reshape(-1, k), spec)
+        out = fp8.block_gemm(xq, x_scale, weight, weight_scale_inv, bias, out_dtype or x.dtype, spec)
+        return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
 __all__ = ["ReferenceBackend", "exact"]

@@ -1,0 +1,187 @@
+"""Block-FP8 linear ``y = quant(x) @ dequant(w).T (+ bias)``: activation quantisation and the GEMM.
+
+Reduction structure (contract [fp8], read from ``activation_group``; see hal/fp8.py for the rules):
+  * quantisation: one program per (row, group of G = 128 along K); amax = tl.max |x| (exact in any
+    order); scale = div_rn(max(amax, floor), FMAX); q = nearest-even fp8 of clamp(div_rn(x, scale)).
+    The rounding to the fp8 grid is done here on the fp32 bits (``round_to_fp8``), so the cast that
+    follows is exact: Triton's interpreter rounds fp32 -> fp8 half-up and flushes subnormals, the
+    GPU's cvt.rn.satfinite rounds to nearest even; the explicit rounding gives both the contract's.
+  * GEMM: K is cut into blocks of G at absolute offsets 0, G, 2G, ... (= the activation groups);
+    each block's partial is one ``tl.dot`` of (BLOCK_M, G) and (G, BLOCK_N) fp8 tiles accumulated
+    from zero in fp32 (the order inside the block is the MMA's: implementation-defined, and it must
+    be the same for every tile shape: re-prove on the GPU); then
+    acc = fl32(acc + fl32(partial * fl32(a_scale * w_scale_inv))) in ascending block order from +0
+    (``LAUNCH`` disables FMA contraction); the bias in fp32; one rounding.
+
+Tiling (BLOCK_M, BLOCK_N, warps, stages) is free: every tile walks the same blocks in the same
+order. BLOCK_K is G, so one ``tl.dot`` is one K block: splitting a block into two dots would change
+the order inside it, which the contract leaves to the backend but which must then be fixed.
+Under the interpreter the fp8 tiles are upcast to fp64 before the dot, and the partial rounded once to
+fp32. That is exact, not an approximation: an e4m3 product is a multiple of 2**-18 below 2**18, so a
+block's sum of 128 of them is a multiple of 2**-18 below 2**25, which fp64 holds exactly in every
+summation order; its one rounding is the correctly rounded fp32 partial, the reference's choice. So
+the interpreter's bits equal the reference's (tests/test_cuda_fp8.py), while numpy's fp32 dot would
+differ from it by an ulp. The GPU's fp8 MMA does not round that way (Hopper's fp8 accumulation keeps
+fewer bits than fp32): there only the invariances hold, not equality with the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from hal.contract import Fp8
+from hal.fp8 import FORMATS
+from hal.kernels.common import INTERPRET, LAUNCH, to_activation
+from hal.kernels.policy import LaunchPolicy
+
+# Mantissa bits and the smallest normal exponent of each format (its subnormal quantum is
+# 2**(MIN_EXP - MANT)).
+_FORMAT_BITS = {"e4m3": (3, -6), "e5m2": (2, -14)}
+
+
+@triton.jit
+def round_to_fp8(y, MANT: tl.constexpr, MIN_EXP: tl.constexpr):
+    """fp32 y with |y| <= FMAX -> the nearest value of the fp8 grid (ties to even), as fp32, sign kept.
+
+    Normals: round the fp32 mantissa to MANT bits on the bit pattern (a carry moves the exponent up).
+    Subnormals (|y| < 2**MIN_EXP): (a + C) - C with C = 2**(MIN_EXP - MANT + 23), whose fp32 ulp is the
+    subnormal quantum, rounds a to a multiple of it, nearest even; the subtraction is exact."""
+    bits = y.to(tl.uint32, bitcast=True)
+    sign = bits & 0x80000000
+    mag_bits = bits & 0x7FFFFFFF
+    drop: tl.constexpr = 23 - MANT
+    half: tl.constexpr = (1 << (drop - 1)) - 1
+    keep: tl.constexpr = (0xFFFFFFFF >> drop) << drop
+    normal = (mag_bits + half + ((mag_bits >> drop) & 1)) & keep
+    a = mag_bits.to(tl.float32, bitcast=True)
+    c: tl.constexpr = 2.0 ** (MIN_EXP - MANT + 23)
+    sub = ((a + c) - c).to(tl.uint32, bitcast=True)
+    out = tl.where(a < 2.0 ** MIN_EXP, sub, normal)
+    return (out | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _quant_kernel(x_ptr, q_ptr, s_ptr, stride_xm, stride_qm, stride_sm, floor, fmax,
+                  GROUP: tl.constexpr, MANT: tl.constexpr, MIN_EXP: tl.constexpr, OUT_E5M2: tl.constexpr):
+    """One program per (row, group): the group's scale from the group alone, then its fp8 values."""
+    row = tl.program_id(0)
+    group = tl.program_id(1)
+    offs = group * GROUP + tl.arange(0, GROUP)
+    x = tl.load(x_ptr + row * stride_xm + offs).to(tl.float32)   # bf16 -> fp32 is exact
+    amax = tl.maximum(tl.max(tl.abs(x), axis=0), floor)
+    scale = tl.div_rn(amax, fmax)
+    y = tl.div_rn(x, scale)
+    y = tl.minimum(tl.maximum(y, -fmax), fmax)
+    y = round_to_fp8(y, MANT, MIN_EXP)
+    if OUT_E5M2:
+        q = y.to(tl.float8e5)
+    else:
+        q = y.to(tl.float8e4nv)
+    tl.store(q_ptr + row * stride_qm + offs, q)
+    tl.store(s_ptr + row * stride_sm + group, scale)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _fp8_gemm_kernel(xq_ptr, xs_ptr, wq_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K,
+                     stride_xm, stride_xk, stride_xsm, stride_xsk, stride_wn, stride_wk, stride_wsn, stride_wsk,
+                     stride_om, stride_on, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, OUT_BF16: tl.constexpr,
+                     UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    group = pid // (GROUP_M * tiles_n)
+    first_m = group * GROUP_M
+    rows_in_group = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * tiles_n)) % rows_in_group
+    pid_n = (pid % (GROUP_M * tiles_n)) // rows_in_group
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, GROUP)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, K // GROUP):                 # ascending K blocks, each scaled, from +0
+        ks = kb * GROUP + offs_k
+        a = tl.load(xq_ptr + offs_m[:, None] * stride_xm + ks[None, :] * stride_xk, mask=m_ok[:, None], other=0.0)
+        b = tl.load(wq_ptr + offs_n[None, :] * stride_wn + ks[:, None] * stride_wk, mask=n_ok[None, :], other=0.0)
+        if UPCAST:  # interpreter: an fp64 dot, exact in any order (module docstring), rounded once
+            a64 = a.to(tl.float32).to(tl.float64)   # fp8 -> fp64 in two exact casts (the interpreter
+            b64 = b.to(tl.float32).to(tl.float64)   # has no direct one)
+            partial = tl.dot(a64, b64, input_precision="ieee", out_dtype=tl.float64).to(tl.float32)
+        else:
+            partial = tl.dot(a, b)
+        a_s = tl.load(xs_ptr + offs_m * stride_xsm + kb * stride_xsk, mask=m_ok, other=0.0)
+        # [fp8].weight_block = activation_group: column n's scale row is n // GROUP
+        w_s = tl.load(ws_ptr + (offs_n // GROUP) * stride_wsn + kb * stride_wsk, mask=n_ok, other=0.0)
+        scale = a_s[:, None] * w_s[None, :]         # fl32(a_scale * w_scale_inv) first
+        acc = acc + partial * scale                 # then the partial, then the add: two roundings
+    if HAS_BIAS:
+        acc = acc + tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on, to_activation(acc, OUT_BF16),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+def quantise(x: torch.Tensor, group: int, fmt: str, spec: Fp8) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, K) bf16/fp32, K a multiple of ``group`` -> (q (M, K) fp8, fp32 scales (M, K / group))."""
+    m, k = x.shape
+    q = torch.empty((m, k), device=x.device, dtype=FORMATS[fmt])
+    s = torch.empty((m, k // group), device=x.device, dtype=torch.float32)
+    if m == 0 or k == 0:
+        return q, s
+    mant, min_exp = _FORMAT_BITS[fmt]
+    floor = float(torch.tensor(spec.amax_floor, dtype=torch.float32))   # fl32(floor), passed as an fp32 scalar
+    _quant_kernel[(m, k // group)](x, q, s, x.stride(0), q.stride(0), s.stride(0), floor, spec.fmax(fmt),
+                                   GROUP=group, MANT=mant, MIN_EXP=min_exp, OUT_E5M2=fmt == "e5m2", num_warps=1,
+                                   **LAUNCH)
+    return q, s
+
+
+def quantise_activations(x: torch.Tensor, spec: Fp8) -> tuple[torch.Tensor, torch.Tensor]:
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    return quantise(x, spec.activation_group, spec.activation_format, spec)
+
+
+def _config(m: int, n: int) -> dict:
+    """Tiles per shape: free (they do not change the bits). Not tuned on a GPU yet: Hopper's FP8 wgmma
+    needs BLOCK_M >= 64; the interpreter takes small tiles so that N and M edges are crossed."""
+    if INTERPRET:
+        return dict(BLOCK_M=16, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=1)
+    if m <= 64:
+        return dict(BLOCK_M=64, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=4)
+    return dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3)
+
+
+def gemm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale_inv: torch.Tensor,
+         bias: torch.Tensor | None, out_dtype: torch.dtype, spec: Fp8, config: dict | None = None, *,
+         policy: LaunchPolicy | None = None) -> torch.Tensor:
+    """xq (M, K) fp8 with x_scale (M, K/G) @ wq (N, K).T fp8 with w_scale_inv (ceil(N/G), K/G) -> (M, N).
+    ``config`` overrides the tiles (tests); ``policy`` is accepted for symmetry with gemm.linear (the
+    FP8 tiles have no per-device table yet)."""
+    m, k = xq.shape
+    n = wq.shape[0]
+    out = torch.empty((m, n), device=xq.device, dtype=out_dtype)
+    if m == 0 or n == 0:
+        return out
+    cfg = _config(m, n)
+    if config:
+        cfg.update(config)
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
+    _fp8_gemm_kernel[grid](xq, x_scale, wq, w_scale_inv, bias if bias is not None else out, out, m, n, k,
+                           xq.stride(0), xq.stride(1), x_scale.stride(0), x_scale.stride(1), wq.stride(0),
+                           wq.stride(1), w_scale_inv.stride(0), w_scale_inv.stride(1), out.stride(0), out.stride(1),
+                           GROUP=spec.activation_group, HAS_BIAS=bias is not None,
+                           OUT_BF16=out_dtype == torch.bfloat16, UPCAST=INTERPRET, BLOCK_M=cfg["BLOCK_M"],
+                           BLOCK_N=cfg["BLOCK_N"], GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"],
+                           num_stages=cfg["num_stages"], **LAUNCH)
+    return out
+
+
+def linear(x: torch.Tensor, wq: torch.Tensor, w_scale_inv: torch.Tensor, bias: torch.Tensor | None,
+           out_dtype: torch.dtype, spec: Fp8, config: dict | None = None, *,
+           policy: LaunchPolicy | None = None) -> torch.Tensor:
+    """x (M, K) activations -> quantised per group -> the block-FP8 GEMM, as [fp8] says."""
+    xq, xs = quantise_activations(x, spec)
+    return gemm(xq, xs, wq, w_scale_inv, bias, out_dtype, spec, config, policy=policy)
