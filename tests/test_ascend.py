@@ -133,7 +133,8 @@ def test_the_triton_path_is_refused_on_an_npu_with_the_reasons(stack):
     stack.monkeypatch.setitem(sys.modules, "batch_invariant_ops", None)  # not needed by the triton path
     p = AscendBackend.probe()
     assert not p.available and "triton.backends.ascend" in p.details["triton"]
-    for reason in ("enable_fp_fusion", "tl.div_rn", "uint32 bitcast", "TensorDescriptor"):
+    for reason in ("enable_fp_fusion", "tl.div_rn", "uint32 bitcast", "TensorDescriptor",
+                   "TypeRange with null types"):
         assert reason in p.reason, reason
     with pytest.raises(UnsupportedError, match="tl.div_rn and tl.sqrt_rn"):
         AscendBackend(CONTRACT, None, path="triton", settings_surface=fake_surface())
@@ -148,7 +149,8 @@ def test_the_triton_path_is_refused_on_an_npu_with_the_reasons(stack):
 
 def test_every_vendored_fact_names_its_source_and_version():
     f = api_facts.facts()
-    entries = [*f["op"].values(), *f["setting"].values(), *f["module"].values(), f["triton_ascend"]]
+    entries = [*f["op"].values(), *f["setting"].values(), *f["module"].values(), f["triton_ascend"],
+               f["triton_ascend_compile"]]
     for entry in entries:
         assert entry["source"] and entry["version"] and isinstance(entry["confirmed"], bool), entry
     for name in f["op"]:

@@ -101,5 +101,10 @@ def triton_ascend() -> dict:
     return facts()["triton_ascend"]
 
 
+def triton_ascend_compile() -> dict:
+    """What compiling the triton path's kernels with triton-ascend showed (bench/ascend_frontend.py)."""
+    return facts()["triton_ascend_compile"]
+
+
 def flash_module() -> dict:
     return facts()["module"]["flash_attn_npu_3"]

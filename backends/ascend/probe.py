@@ -180,4 +180,5 @@ def triton_ascend_refusal() -> str:
     return (f"the triton path cannot realise the contract on an NPU ({t['version']}): it ignores "
             f"{', '.join(t['ignored_launch_options'])} (FMA contraction is not ruled out), lowers "
             f"{' and '.join(t['no_rounding_guarantee'])} to plain divide/sqrt (no rounding guarantee), and does "
-            f"not support {'; '.join(t['unsupported'])}; use HAL_ASCEND_PATH=cann")
+            f"not support {'; '.join(t['unsupported'])}; its adapter fails on "
+            f"{'; '.join(api_facts.triton_ascend_compile()['adapter_failures'])}; use HAL_ASCEND_PATH=cann")
