@@ -65,7 +65,9 @@ def fp8_slices(model) -> dict[str, tuple["torch.nn.Module", slice]]:
     return out
 
 
-def _rows_of_scales(rows: slice, block_rows: int) -> slice:
+def scale_rows(rows: slice, block_rows: int) -> slice:
+    """The rows of a merged weight's scale grid that hold the scales of weight rows ``rows`` (which
+    start, and end, on a block row)."""
     stop = None if rows.stop is None else rows.stop // block_rows
     return slice(rows.start // block_rows, stop)
 
@@ -110,7 +112,7 @@ def weight_sync_tensors(model) -> list[tuple[str, torch.Tensor]]:
     for prefix, (linear, rows) in fp8_slices(model).items():
         q, scale_inv = quantised[by_module[id(linear)]]
         out.append((prefix + ".weight", q[rows].contiguous()))
-        out.append((prefix + ".weight_scale_inv", scale_inv[_rows_of_scales(rows, block_rows)].contiguous()))
+        out.append((prefix + ".weight_scale_inv", scale_inv[scale_rows(rows, block_rows)].contiguous()))
         fp8_weights.add(prefix + ".weight")
     for name, (param, rows) in hf_slices(model).items():
         if name not in fp8_weights:
@@ -174,7 +176,7 @@ class Fp8Loader:
                                       f"(fp8, e4m3) makes it an FP8 linear, whose weight must be stored as "
                                       f"torch.float8_e4m3fn with its {prefix}.weight_scale_inv")
         else:
-            target = linear.weight_scale_inv[_rows_of_scales(rows, self.block[0])]
+            target = linear.weight_scale_inv[scale_rows(rows, self.block[0])]
             if tensor.dtype != torch.float32:
                 raise CheckpointError(f"{self.source}: {name} is {tensor.dtype}; expected float32 (one scale per "
                                       f"{self.block[0]} x {self.block[1]} block)")
