@@ -193,7 +193,7 @@ class Fp8Loader:
         missing = sorted(p + "." + kind for p in self.slices for kind in ("weight", "weight_scale_inv")
                          if p + "." + kind not in self.got)
         if missing:
-            scales = [m for m in missing if m.endswith("weight_scale_inv") and m[:-6] in self.got]
+            scales = [m for m in missing if m.endswith(".weight_scale_inv") and m[:-len("_scale_inv")] in self.got]
             hint = f" ({scales[0]} is missing although its fp8 weight is there: every FP8 weight needs its " \
                    f"block scales)" if scales else ""
             raise CheckpointError(f"{self.source}: missing FP8 tensors {missing[:8]}{hint}")
