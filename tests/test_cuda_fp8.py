@@ -115,3 +115,27 @@ def test_cuda_refuses_fp8_without_the_section_and_checks_inputs(cuda):
         create_backend("cuda", "bf16-dense-v1").fp8_linear(x, wq, ws)
     with pytest.raises(UnsupportedError, match="not a multiple of"):
         cuda.fp8_linear(x[:, :192], wq[:, :192], ws)
+
+
+def test_fp8_model_on_the_cuda_kernels_training_equals_rollout(cuda):
+    """A tiny block-FP8 model (tests/test_fp8_model.py's, head dim 64 for the attention kernels) on the
+    cuda backend under the interpreter: the trainer's logprobs equal the rollout's bitwise, under a
+    schedule that cuts prefills into chunks and mixes phases, and a packing of two sequences at most.
+    Kept small (2 requests of 6 tokens, ~30 s interpreted); the negative control of the activation scale
+    is the per-tensor test above (same kernel) and tests/test_fp8_model.py (the whole model)."""
+    import dataclasses
+
+    from test_fp8_model import rollout_and_train
+    from test_rollout import PACKINGS, SCHEDULES
+
+    from hal.model import DecoderLM, tiny_fp8_config
+    from hal.rollout import Request
+
+    model = DecoderLM.random(tiny_fp8_config("llama", "bfloat16"), seed=11, backend=cuda)
+    requests = [Request((1, 2, 3, 4, 5, 6, 7), 6, seed=1), Request((7, 8, 9), 6, seed=2, temperature=0.7)]
+    schedule = dataclasses.replace(SCHEDULES[2], preempt_prob=0.0)
+    runs, stats, trains = rollout_and_train(model, requests, [schedule], PACKINGS[1:])
+    assert stats[0].cut_prefills > 0 and stats[0].mixed_steps > 0
+    assert sum(len(c.tokens) for c in runs[0]) == 12
+    for c, lp in zip(runs[0], trains[0]):
+        assert torch.equal(lp, c.logprobs), f"request {c.request}: train {lp} vs rollout {c.logprobs}"

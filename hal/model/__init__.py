@@ -10,11 +10,12 @@ gradients are attached to inference kernels, ``hal.rollout`` for the generation 
 
 from hal.model.autograd import WeightsChangedError, straight_through
 from hal.model.checkpoint import CheckpointError, load_pretrained, save_pretrained
-from hal.model.config import ARCHITECTURES, ModelConfig, read_hf_config, tiny_config
+from hal.model.config import ARCHITECTURES, Fp8Quantization, ModelConfig, read_hf_config, tiny_config, tiny_fp8_config
 from hal.model.model import DecoderLM, InferenceBatch
 from hal.model.trace import OpTrace, TraceEntry
 
 __all__ = [
-    "ARCHITECTURES", "CheckpointError", "DecoderLM", "InferenceBatch", "ModelConfig", "OpTrace", "TraceEntry",
+    "ARCHITECTURES", "CheckpointError", "DecoderLM", "Fp8Quantization", "InferenceBatch", "ModelConfig", "OpTrace", "TraceEntry",
     "WeightsChangedError", "load_pretrained", "read_hf_config", "save_pretrained", "straight_through", "tiny_config",
+    "tiny_fp8_config",
 ]

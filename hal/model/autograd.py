@@ -116,6 +116,24 @@ def linear(backend: Backend, x: torch.Tensor, weight: torch.Tensor, bias: torch.
     return apply(KernelOp(name, visible, graph, ("x", "weight", "bias")), x, weight, bias)
 
 
+def fp8_linear(backend: Backend, x: torch.Tensor, master_weight: torch.Tensor, weight_fp8: torch.Tensor,
+               weight_scale_inv: torch.Tensor, bias: torch.Tensor | None = None, *,
+               name: str = "fp8_linear") -> torch.Tensor:
+    """``backend.fp8_linear(x, weight_fp8, weight_scale_inv, bias)`` (the contract's [fp8] bits: the
+    rollout's) with a straight-through gradient: that of ``x.float() @ master_weight.float().T + bias``.
+    The quantisers (activations per 1 x 128 group inside the op, the weight per block) count as the
+    identity, so the master weight and the input get the gradient of the unquantised linear; the fp8
+    weight and its scales are buffers and get none."""
+    def visible(x, w, wq, s, b):
+        return backend.fp8_linear(x, wq, s, b)
+
+    def graph(x, w, wq, s, b):
+        return F.linear(x.float(), w.float(), None if b is None else b.float())
+
+    op = KernelOp(name, visible, graph, ("x", "weight", "weight_fp8", "weight_scale_inv", "bias"))
+    return apply(op, x, master_weight, weight_fp8, weight_scale_inv, bias)
+
+
 def _rms_graph(r: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return r * torch.rsqrt(r.square().mean(-1, keepdim=True) + eps) * w.float()
 

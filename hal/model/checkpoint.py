@@ -5,6 +5,13 @@ layer on its own); the model (like vLLM) holds them merged as qkv_proj = [q | k 
 gate_up_proj = [gate | up] along the output rows, and an MoE layer's experts stacked (w13, w2). Loading
 copies each HF tensor into its row slice (exact copies, cast to the model dtype when asked);
 saving splits them back. Nothing is downloaded: the path must be a local directory.
+
+Block-FP8 checkpoints (DeepSeek-V3's format, ``quantization_config`` quant_method "fp8"): each FP8
+projection part is ``<name>.weight`` float8_e4m3fn (N, K) plus ``<name>.weight_scale_inv`` fp32
+(ceil(N/128), ceil(K/128)). Loading keeps both bit for bit as what the forward uses and sets the master
+weight to their dequantisation (``hal.model.fp8.Fp8Loader``); saving writes the fp8 weights and scales
+the forward uses, so a round trip keeps every bit (the master weight's precision beyond its fp8 form is
+not part of the format).
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import torch
 
 from hal.backend import Backend
 from hal.model.config import CheckpointError, ModelConfig, read_hf_config
+from hal.model.fp8 import Fp8Loader, check_fresh, fp8_slices, scale_rows
 from hal.model.model import MLP, DecoderLM, MoE
 
 log = logging.getLogger(__name__)
@@ -150,12 +158,17 @@ def load_pretrained(path: str | Path, *, dtype: str | torch.dtype | None = None,
     config = ModelConfig.from_hf(read_hf_config(path), dtype, source=str(path / "config.json"))
     model = DecoderLM(config, backend=backend, device=device)
     targets = hf_slices(model)
+    fp8 = Fp8Loader(model, str(path))
     safetensors = _safetensors()
     filled, unexpected = set(), []
     with torch.no_grad():
         for file in _weight_files(path):
             with _open_safetensors(safetensors, file) as f:
                 for name in f.keys():
+                    if name.endswith(".weight_scale_inv") or name in fp8.weight_names:
+                        if not fp8.take(name, _read_tensor(f, file, name)):
+                            unexpected.append(name)     # a scale of a tensor that is not an FP8 linear's
+                        continue
                     if name not in targets:
                         if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and model.lm_head is None):
                             continue   # recomputed / tied to embed_tokens, as vLLM does
@@ -163,16 +176,23 @@ def load_pretrained(path: str | Path, *, dtype: str | torch.dtype | None = None,
                         continue
                     param, rows = targets[name]
                     tensor = _read_tensor(f, file, name)
+                    if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+                        raise CheckpointError(f"{file.name}: {name} is stored as {tensor.dtype}, but config.json "
+                                              f"makes it a {param.dtype} tensor (FP8 linears need a "
+                                              f"quantization_config with quant_method 'fp8', and only the attention "
+                                              f"and dense-MLP projections can be FP8); casting it without its "
+                                              f"scales would change the model")
                     expected = tuple(param[rows].shape)
                     if tuple(tensor.shape) != expected:
                         raise CheckpointError(f"{file.name}: {name} has shape {tuple(tensor.shape)}, expected "
                                               f"{expected} from config.json")
                     param[rows].copy_(tensor.to(param.dtype))
                     filled.add(name)
-    missing = sorted(set(targets) - filled)
+    missing = sorted(set(targets) - filled - fp8.weight_names)
     if missing or unexpected:
         raise CheckpointError(f"{path}: missing tensors {missing[:8]}{' ...' if len(missing) > 8 else ''}; "
                               f"unexpected tensors {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
+    fp8.finish()
     log.info("loaded %s (%s, %d tensors) from %s", config.architecture, config.dtype, len(filled), path)
     return model
 
@@ -184,6 +204,13 @@ def save_pretrained(model: DecoderLM, path: str | Path) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     tensors = {name: param[rows].detach().to("cpu").contiguous().clone()
                for name, (param, rows) in hf_slices(model).items()}
+    if model.config.fp8 is not None:     # the fp8 weights and scales the forward uses, DeepSeek's format
+        check_fresh(model)
+        block_rows = model.config.fp8.weight_block[0]
+        for prefix, (linear, rows) in fp8_slices(model).items():
+            tensors[prefix + ".weight"] = linear.weight_fp8[rows].detach().to("cpu").contiguous().clone()
+            tensors[prefix + ".weight_scale_inv"] = \
+                linear.weight_scale_inv[scale_rows(rows, block_rows)].detach().to("cpu").contiguous().clone()
     safetensors.torch.save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(model.config.to_hf(), indent=2) + "\n")
     return path

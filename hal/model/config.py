@@ -10,6 +10,11 @@ names: a DeepSeek-style MoE block on Qwen3 attention, a combination no HF archit
 (DeepSeek-V3's own MLA attention is not implemented). ``ModelConfig.from_hf`` reads a Hugging Face
 ``config.json``; anything it cannot honour exactly (rope scaling, sliding windows, partial rotary,
 MLP bias, another activation) is refused with the key that asked for it, never silently ignored.
+
+Block FP8 (``Fp8Quantization``, from the ``quantization_config`` DeepSeek-V3 ships: ``quant_method
+"fp8"``, ``fmt "e4m3"``, ``weight_block_size [128, 128]``, ``activation_scheme "dynamic"``) makes the
+attention and dense-MLP projections FP8 linears (``hal.model.model.Fp8Linear``); the embedding, the
+lm_head, the norms and an MoE router stay in the model dtype, as DeepSeek's checkpoints keep them.
 """
 
 from __future__ import annotations
@@ -92,6 +97,53 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
     return hf
 
 
+@dataclass(frozen=True)
+class Fp8Quantization:
+    """A checkpoint's block-FP8 scheme (HF ``quantization_config``): e4m3 weights with one fp32
+    ``weight_scale_inv`` per ``weight_block`` = (rows, columns) block, activations quantised dynamically
+    inside each linear. Which bits that gives is the contract's [fp8] section, not this: the model
+    refuses to run unless the two agree (``DecoderLM.fp8_spec``)."""
+
+    fmt: str = "e4m3"
+    weight_block: tuple[int, int] = (128, 128)
+    activation_scheme: str = "dynamic"
+
+    def __post_init__(self):
+        object.__setattr__(self, "weight_block", tuple(int(b) for b in self.weight_block))
+        if self.fmt != "e4m3":
+            raise UnsupportedError(f"quantization_config: fmt {self.fmt!r} is not supported; block-FP8 weights "
+                                   f"are e4m3 (float8_e4m3fn), as DeepSeek-V3 ships them")
+        if self.activation_scheme != "dynamic":
+            raise UnsupportedError(f"quantization_config: activation_scheme {self.activation_scheme!r} is not "
+                                   f"supported; only 'dynamic' (a scale per 1 x 128 group of each token, computed "
+                                   f"inside the linear from that group alone)")
+        if len(self.weight_block) != 2 or min(self.weight_block) <= 0:
+            raise UnsupportedError(f"quantization_config: weight_block_size {list(self.weight_block)} must be two "
+                                   f"positive integers [rows, columns]")
+
+    @classmethod
+    def from_hf(cls, qc: dict[str, Any], source: str = "config.json") -> "Fp8Quantization":
+        r = _HfReader(qc, f"{source}: quantization_config")
+        method = r.text("quant_method")
+        if method != "fp8":
+            raise UnsupportedError(f"{source}: quantization_config.quant_method {method!r} is not supported "
+                                   f"(only DeepSeek-style block 'fp8')")
+        block = r._get("weight_block_size", _REQUIRED, (list,), "[rows, columns], e.g. [128, 128]")
+        if len(block) != 2 or not all(isinstance(b, int) and not isinstance(b, bool) for b in block):
+            raise CheckpointError(f"{source}: quantization_config.weight_block_size = {json.dumps(block)}: expected "
+                                  f"[rows, columns], e.g. [128, 128] (per-tensor FP8 checkpoints are not supported)")
+        skipped = r._get("modules_to_not_convert", [], (list,), "a list of module names")
+        if skipped:
+            raise UnsupportedError(f"{source}: quantization_config.modules_to_not_convert = {json.dumps(skipped)} "
+                                   f"is not supported: every attention and dense-MLP projection is FP8 here")
+        return cls(fmt=r.text("fmt", "e4m3"), weight_block=tuple(block),
+                   activation_scheme=r.text("activation_scheme", "dynamic"))
+
+    def to_hf(self) -> dict[str, Any]:
+        return {"quant_method": "fp8", "fmt": self.fmt, "weight_block_size": list(self.weight_block),
+                "activation_scheme": self.activation_scheme}
+
+
 def dtype_from_name(name: str | torch.dtype) -> torch.dtype:
     """torch dtype of ``"float32"``/``"fp32"``/``"bfloat16"``/``"bf16"`` (or a torch dtype)."""
     if isinstance(name, torch.dtype):
@@ -136,6 +188,8 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0
     e_score_correction_bias: bool = False     # DeepSeek-V3 topk_method "noaux_tc"
     n_shared_experts: int = 0                 # shared experts of moe_intermediate_size each, one merged MLP
+    # Block FP8 (HF quantization_config): attention and dense-MLP projections are FP8 linears
+    fp8: Fp8Quantization | None = None
 
     def __post_init__(self):
         if self.architecture not in ARCHITECTURES:
@@ -160,6 +214,28 @@ class ModelConfig:
         elif self.num_experts:
             raise UnsupportedError(f"model config: num_experts = {self.num_experts} needs architecture 'qwen3_moe', "
                                    f"not {self.architecture!r}")
+        if self.fp8 is not None:
+            self._check_fp8_shapes()
+
+    def _check_fp8_shapes(self) -> None:
+        """Every FP8 linear's K is whole blocks (the activation groups), and every merged projection's
+        parts (q | k | v, gate | up) start on a block row, so that each HF tensor's own scales are rows of
+        the merged scale grid (vLLM's block-FP8 linears require the same)."""
+        if self.is_moe:
+            raise UnsupportedError("model config: FP8 mixture-of-experts models are not supported (FP8 expert "
+                                   "GEMMs are not implemented); quantization_config fp8 needs a dense model")
+        rows, cols = self.fp8.weight_block
+        parts = {"hidden_size (K of qkv_proj, gate_up_proj)": (self.hidden_size, cols),
+                 "num_attention_heads * head_dim (K of o_proj)": (self.q_size, cols),
+                 "intermediate_size (K of down_proj)": (self.intermediate_size, cols),
+                 "num_attention_heads * head_dim (rows of q_proj)": (self.q_size, rows),
+                 "num_key_value_heads * head_dim (rows of k_proj, v_proj)": (self.kv_size, rows),
+                 "intermediate_size (rows of gate_proj, up_proj)": (self.intermediate_size, rows)}
+        for what, (size, block) in parts.items():
+            if size % block:
+                raise UnsupportedError(f"model config: {what} = {size} is not a multiple of the FP8 weight block "
+                                       f"{block} (quantization_config.weight_block_size {list(self.fp8.weight_block)}); "
+                                       f"block-FP8 linears need whole blocks")
 
     @property
     def is_moe(self) -> bool:
@@ -233,6 +309,8 @@ class ModelConfig:
         theta = params.get("rope_theta", 10000.0)
         if isinstance(theta, bool) or not isinstance(theta, (int, float)):
             raise CheckpointError(f"{source}: rope_parameters.rope_theta = {json.dumps(theta)}: expected a number")
+        qc = r.table("quantization_config")
+        fp8 = Fp8Quantization.from_hf(qc, source) if qc else None
         return cls(
             architecture=arch,
             vocab_size=r.integer("vocab_size"),
@@ -249,6 +327,7 @@ class ModelConfig:
             qkv_bias=arch == "qwen2" or r.flag("attention_bias"),
             qk_norm=arch in ("qwen3", "qwen3_moe"),
             dtype=str(dtype_from_name(dtype)).replace("torch.", ""),
+            fp8=fp8,
             **moe,
         )
 
@@ -287,6 +366,8 @@ class ModelConfig:
             hf.update({key: value for key, (value, default) in deepseek.items() if value != default})
             if self.e_score_correction_bias:
                 hf["topk_method"] = "noaux_tc"
+        if self.fp8 is not None:
+            hf["quantization_config"] = self.fp8.to_hf()
         return hf
 
 
@@ -319,6 +400,16 @@ def _read_moe(r: _HfReader, arch: str, num_layers: int) -> dict[str, Any]:
                 topk_group=r.integer("topk_group", 1),
                 routed_scaling_factor=r.number("routed_scaling_factor", 1.0),
                 e_score_correction_bias=method == "noaux_tc", n_shared_experts=r.integer("n_shared_experts", 0))
+
+
+def tiny_fp8_config(architecture: str = "llama", dtype: str | torch.dtype = "float32", **overrides: Any) -> ModelConfig:
+    """The smallest block-FP8 model of the family: every FP8 linear's K and every merged part's rows
+    are whole 128-blocks, so hidden 128, 4 query / 2 KV heads of 64 (head dim 64 is one the cuda
+    attention kernels take), intermediate 128; vocab 128, 2 layers."""
+    base = dict(hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=64, intermediate_size=128,
+                fp8=Fp8Quantization())
+    base.update(overrides)
+    return tiny_config(architecture, dtype, **base)
 
 
 def tiny_config(architecture: str = "llama", dtype: str | torch.dtype = "float32", **overrides: Any) -> ModelConfig:

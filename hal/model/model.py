@@ -19,6 +19,10 @@ Weights use vLLM's layout, so a trainer and an engine can hold the very same ten
     model.layers.N.mlp.shared_experts.*            a dense MLP of n_shared*Im  DeepSeek-style only
     model.norm.weight                              (H,)
     lm_head.weight                                 (V, H)                absent when tied to embed_tokens
+  a block-FP8 model (``config.fp8``) holds each attention and dense-MLP projection as an ``Fp8Linear``:
+    <proj>.weight                                  (N, K) model dtype    the master weight (trainable)
+    <proj>.weight_fp8                              (N, K) float8_e4m3fn  buffer: what the forward uses
+    <proj>.weight_scale_inv                        (N/128, K/128) fp32   buffer: one scale per block
 
 The block is vLLM's: the residual stream is carried next to the hidden state and added inside the
 fused ``rms_norm(x, w, eps, residual)`` (layer 0 normalises the embedding without an add); Qwen3's
@@ -38,6 +42,7 @@ The embedding is an exact gather (``F.embedding``) in both modes.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -66,6 +71,32 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
 
 
+class Fp8Linear(nn.Module):
+    """A block-FP8 projection: the master ``weight`` (model dtype, trainable) and, as buffers, the
+    quantised form every forward uses, ``weight_fp8`` (e4m3) with ``weight_scale_inv`` (fp32, one per
+    weight block, DeepSeek's layout). The buffers change only through ``hal.model.fp8``: loaded from a
+    checkpoint as stored, or recomputed from the master weight (``refresh_fp8_weights``, the same
+    function a weight sync sends). ``master_version`` is the master weight's version counter when
+    the buffers were last set from it: a forward refuses stale buffers (``StaleFp8WeightsError``)."""
+
+    def __init__(self, out_features: int, in_features: int, bias: bool, dtype, device, block: tuple[int, int]):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device))
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
+        rows, cols = block
+        self.register_buffer("weight_fp8", torch.zeros(out_features, in_features, device=device)
+                             .to(torch.float8_e4m3fn))
+        self.register_buffer("weight_scale_inv", torch.full((-(-out_features // rows), -(-in_features // cols)),
+                                                            float("nan"), dtype=torch.float32, device=device))
+        self.master_version: int | None = None     # None: the buffers hold no weights yet
+
+
+def _linear(c: ModelConfig, out_features: int, in_features: int, bias: bool, dtype, device) -> nn.Module:
+    if c.fp8 is not None:
+        return Fp8Linear(out_features, in_features, bias, dtype, device, c.fp8.weight_block)
+    return Linear(out_features, in_features, bias, dtype, device)
+
+
 class RMSNorm(nn.Module):
     """An RMSNorm weight and its eps (a plain attribute: ``hal diff`` can plant another value)."""
 
@@ -84,8 +115,8 @@ class Embedding(nn.Module):
 class Attention(nn.Module):
     def __init__(self, c: ModelConfig, dtype, device):
         super().__init__()
-        self.qkv_proj = Linear(c.q_size + 2 * c.kv_size, c.hidden_size, c.qkv_bias, dtype, device)
-        self.o_proj = Linear(c.hidden_size, c.q_size, False, dtype, device)
+        self.qkv_proj = _linear(c, c.q_size + 2 * c.kv_size, c.hidden_size, c.qkv_bias, dtype, device)
+        self.o_proj = _linear(c, c.hidden_size, c.q_size, False, dtype, device)
         if c.qk_norm:
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype, device)
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype, device)
@@ -95,8 +126,8 @@ class MLP(nn.Module):
     def __init__(self, c: ModelConfig, dtype, device, intermediate: int | None = None):
         super().__init__()
         intermediate = intermediate or c.intermediate_size
-        self.gate_up_proj = Linear(2 * intermediate, c.hidden_size, False, dtype, device)
-        self.down_proj = Linear(c.hidden_size, intermediate, False, dtype, device)
+        self.gate_up_proj = _linear(c, 2 * intermediate, c.hidden_size, False, dtype, device)
+        self.down_proj = _linear(c, c.hidden_size, intermediate, False, dtype, device)
 
 
 class Router(nn.Module):
@@ -157,6 +188,15 @@ class _KernelOps:
     def linear(self, x, w, b=None, *, out_dtype=None, name=""):
         return self.backend.linear(x, w, b, out_dtype=out_dtype)
 
+    def proj(self, x, layer, *, name=""):
+        """A projection module's forward: ``linear`` of a ``Linear``, ``fp8_linear`` of an ``Fp8Linear``."""
+        if isinstance(layer, Fp8Linear):
+            return self.fp8_linear(x, layer, name=name)
+        return self.linear(x, layer.weight, layer.bias, name=name)
+
+    def fp8_linear(self, x, layer, *, name=""):
+        return self.backend.fp8_linear(x, layer.weight_fp8, layer.weight_scale_inv, layer.bias)
+
     def rms_norm(self, x, w, eps, residual=None, *, name=""):
         return self.backend.rms_norm(x, w, eps, residual)
 
@@ -181,6 +221,10 @@ class _AutogradOps(_KernelOps):
 
     def linear(self, x, w, b=None, *, out_dtype=None, name=""):
         return ag.linear(self.backend, x, w, b, out_dtype=out_dtype, name=name)
+
+    def fp8_linear(self, x, layer, *, name=""):
+        return ag.fp8_linear(self.backend, x, layer.weight, layer.weight_fp8, layer.weight_scale_inv, layer.bias,
+                             name=name)
 
     def rms_norm(self, x, w, eps, residual=None, *, name=""):
         return ag.rms_norm(self.backend, x, w, eps, residual, name=name)
@@ -271,6 +315,45 @@ class DecoderLM(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
+    def fp8_spec(self, backend: Backend | None = None):
+        """The contract's [fp8] section that this block-FP8 model's linears run under (None for a model
+        without FP8 linears). Refuses a contract without [fp8], or one whose weight block is not the
+        checkpoint's ``weight_block_size``; the stock baseline (no contract) takes bf16-fp8-v1's layout."""
+        if self.config.fp8 is None:
+            return None
+        from hal import fp8
+
+        backend = backend or self.backend
+        if backend.contract is None:
+            spec = fp8.baseline_spec()
+        elif backend.contract.fp8 is None:
+            raise UnsupportedError(f"this model has block-FP8 linears (quantization_config quant_method 'fp8'), "
+                                   f"but backend {backend.name!r} runs contract {backend.contract.name!r}, which has "
+                                   f"no [fp8] section to say how their bits are decided; use a contract that has "
+                                   f"one (bf16-fp8-v1: hal.use(backend, contract='bf16-fp8-v1'))")
+        else:
+            spec = backend.contract.fp8
+        block = tuple(self.config.fp8.weight_block)
+        if block != (spec.weight_block, spec.weight_block):
+            raise UnsupportedError(f"quantization_config.weight_block_size {list(block)} is not the contract's "
+                                   f"[fp8].weight_block {spec.weight_block} x {spec.weight_block}; only that block "
+                                   f"size is supported (the scales of another grid cannot be used as stored)")
+        return spec
+
+    def refresh_fp8_weights(self) -> None:
+        """Recompute the FP8 linears' quantised weights from the master weights, exactly as a weight sync
+        quantises them (``hal.model.fp8``); call after each ``optimizer.step()``. No-op without FP8."""
+        from hal.model.fp8 import refresh_fp8_weights
+
+        refresh_fp8_weights(self)
+
+    def _check_fp8(self, backend: Backend) -> None:
+        if self.config.fp8 is not None:
+            from hal.model.fp8 import check_fresh
+
+            self.fp8_spec(backend)
+            check_fresh(self)
+
     def rope_table(self, length: int) -> torch.Tensor:
         """(>= length, head_dim) fp32 ``[cos | sin]`` rows from ``hal.rope`` (grown on demand; row p
         does not depend on the table's length)."""
@@ -303,6 +386,7 @@ class DecoderLM(nn.Module):
                 else:
                     values = torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5   # fan-in
                 p.copy_(values.to(p.dtype))
+        model.refresh_fp8_weights()          # the FP8 linears' quantised form of their master weights
         return model
 
     # -- the forward, shared by both modes ------------------------------------------------------
@@ -332,7 +416,7 @@ class DecoderLM(nn.Module):
             record(p + "input_layernorm.residual", residual)
 
             attn = layer.self_attn
-            qkv = ops.linear(h, attn.qkv_proj.weight, attn.qkv_proj.bias, name=p + "self_attn.qkv_proj")
+            qkv = ops.proj(h, attn.qkv_proj, name=p + "self_attn.qkv_proj")
             record(p + "self_attn.qkv_proj", qkv)
             q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
             q = q.contiguous().view(t, c.num_heads, c.head_dim)
@@ -350,7 +434,7 @@ class DecoderLM(nn.Module):
             record(p + "self_attn.rotary.k", k)
             o = attend(i, q, k, v)
             record(p + "self_attn.attn", o)
-            h = ops.linear(o.reshape(t, c.q_size), attn.o_proj.weight, name=p + "self_attn.o_proj")
+            h = ops.proj(o.reshape(t, c.q_size), attn.o_proj, name=p + "self_attn.o_proj")
             record(p + "self_attn.o_proj", h)
 
             norm = layer.post_attention_layernorm
@@ -376,11 +460,11 @@ class DecoderLM(nn.Module):
 
     @staticmethod
     def _mlp(ops: _KernelOps, mlp: MLP, h: torch.Tensor, p: str, record) -> torch.Tensor:
-        h = ops.linear(h, mlp.gate_up_proj.weight, name=p + "gate_up_proj")
+        h = ops.proj(h, mlp.gate_up_proj, name=p + "gate_up_proj")
         record(p + "gate_up_proj", h)
         h = ops.silu_mul(h, name=p + "act")
         record(p + "act", h)
-        h = ops.linear(h, mlp.down_proj.weight, name=p + "down_proj")
+        h = ops.proj(h, mlp.down_proj, name=p + "down_proj")
         record(p + "down_proj", h)
         return h
 
@@ -416,6 +500,7 @@ class DecoderLM(nn.Module):
         if len(kv_caches) != self.config.num_layers:
             raise HalError(f"forward_infer: {len(kv_caches)} KV caches for {self.config.num_layers} layers")
         backend = self.backend
+        self._check_fp8(backend)
         scale = self.config.head_dim ** -0.5
 
         def attend(i, q, k, v):
@@ -435,6 +520,7 @@ class DecoderLM(nn.Module):
         if sum(seq_lens) != token_ids.shape[0]:
             raise HalError(f"forward_train: seq_lens sum to {sum(seq_lens)} but {token_ids.shape[0]} tokens given")
         backend = self.backend
+        self._check_fp8(backend)
         device = self.device
         layout = ag.PackedLayout.build(seq_lens, page_size, device)
         positions = torch.cat([torch.arange(n, device=device) for n in layout.seq_lens])
@@ -445,7 +531,9 @@ class DecoderLM(nn.Module):
 
         logits = self._core(_AutogradOps(backend), token_ids.to(device), positions, attend, logits_rows, trace)
         if torch.is_grad_enabled() and logits.requires_grad:
-            logits = ag.guard_weights(logits, ag.WeightSnapshot(self.named_parameters()))
+            # the FP8 linears' quantised buffers too: a refresh between forward and backward changes them
+            fp8_buffers = ((n, b) for n, b in self.named_buffers() if n.endswith(("weight_fp8", "weight_scale_inv")))
+            logits = ag.guard_weights(logits, ag.WeightSnapshot(itertools.chain(self.named_parameters(), fp8_buffers)))
         return logits
 
     def sequence_logprobs(self, sequences: Sequence[Sequence[int]], response_starts: Sequence[int] | None = None,

@@ -349,6 +349,7 @@ class GRPORun:
         _require_finite(step, "the loss", [loss])
         loss.backward()
         optimizer.step()
+        model.refresh_fp8_weights()     # block-FP8 models: quantise the new master weights as a sync does
         _require_finite(step, "the updated weights", list(model.parameters()))
         t4 = time.perf_counter()
         gen_tokens = sum(len(c.tokens) for c in completions)
