@@ -64,6 +64,8 @@ class TensorParallel:
         """Every rank's ``t`` (one shape on all ranks), in rank order: exact copies of the bits (bf16 and
         other 16-bit dtypes travel as int16, which every transport carries)."""
         t = t.contiguous()
+        if t.numel() == 0:     # every rank has the same (empty) shape: nothing to send
+            return [t.clone() for _ in range(self.world_size)]
         wire = t.view(torch.int16) if t.dtype in (torch.bfloat16, torch.float16) else t
         out = [torch.empty_like(wire) for _ in range(self.world_size)]
         dist.all_gather(out, wire, group=self.group)
