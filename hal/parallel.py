@@ -62,11 +62,11 @@ class TensorParallel:
 
     def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's ``t`` (one shape on all ranks), in rank order: exact copies of the bits (bf16 and
-        other 16-bit dtypes travel as int16, which every transport carries)."""
+        fp16 travel as their bytes, uint8, which every transport carries: gloo has no bf16)."""
         t = t.contiguous()
         if t.numel() == 0:     # every rank has the same (empty) shape: nothing to send
             return [t.clone() for _ in range(self.world_size)]
-        wire = t.view(torch.int16) if t.dtype in (torch.bfloat16, torch.float16) else t
+        wire = t.view(torch.uint8) if t.dtype in (torch.bfloat16, torch.float16) else t
         out = [torch.empty_like(wire) for _ in range(self.world_size)]
         dist.all_gather(out, wire, group=self.group)
         return [o.view(t.dtype) for o in out]
