@@ -25,7 +25,8 @@ so the sampler sees the whole row, as vLLM's does.
 Not done: the backward. The training forward's bits are the kernels' (recomputing logprobs under
 ``torch.no_grad()`` works), but gradients would need the collectives' own backward (all-reduce of the
 column-parallel inputs' gradients, the vocab-parallel softmax gradient), so a forward that would build a
-graph is refused rather than giving per-rank partial gradients. MoE layers are not sharded (refused).
+graph is refused rather than giving per-rank partial gradients. MoE layers and block-FP8 linears are
+not sharded (refused).
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ def shard_config(config: ModelConfig, tp: TensorParallel) -> ModelConfig:
     if config.is_moe:
         raise UnsupportedError("tensor parallelism of MoE layers is not implemented (expert parallelism and a "
                                "sharded expert GEMM would need their own [parallel] rules); use TP = 1")
+    if getattr(config, "fp8", None) is not None:
+        raise UnsupportedError("tensor parallelism of block-FP8 linears is not implemented (a K shard would have "
+                               "to hold whole [fp8] blocks and expose their scaled partials); use TP = 1")
     for name in ("num_heads", "num_kv_heads", "intermediate_size", "vocab_size"):
         if getattr(config, name) % n:
             raise UnsupportedError(f"tensor parallelism over {n} ranks: {name} = {getattr(config, name)} is not a "
