@@ -485,6 +485,84 @@ class Backend(abc.ABC):
                                f"does (`hal doctor`)")
 
 
+    # Tensor parallelism (``hal.parallel``; the contract's [parallel]): what one rank computes and sends,
+    # and how every rank combines what it received. Not abstract: the GEMM pair has a default built from
+    # ``linear`` (right for every backend that realises [gemm]); the logprob triple has none.
+
+    def linear_chunk_partials(self, x: torch.Tensor, weight: torch.Tensor, k_offset: int = 0) -> torch.Tensor:
+        """The fp32 sums of the [gemm] K chunks of one K shard: x (..., Ks), weight (N, Ks), the shard
+        starting at column ``k_offset`` of the full K (a multiple of k_chunk). Returns (C, M, N) fp32,
+        C = ceil(Ks / k_chunk), M the rows of x; partial i is absolute chunk ``k_offset // k_chunk + i``,
+        accumulated from zero as in [gemm] (no bias, no rounding to the activation dtype).
+
+        The default runs ``linear`` on each chunk alone with fp32 output: by [gemm] a one-chunk linear
+        is fl32(+0 + that chunk's sum), which is the chunk's sum (a -0 sum becomes +0, as the total
+        it joins would make it). It holds for every backend whose chunk sum does not depend on where
+        the chunk sits in K (the contract's "fixed per backend and per chunk width"); a backend whose
+        sum does must override it. One launch per chunk: correct first, fast later."""
+        spec = self._gemm_spec("linear_chunk_partials")
+        if k_offset < 0 or k_offset % spec.k_chunk:
+            raise UnsupportedError(f"{self.name}.linear_chunk_partials: k_offset {k_offset} is not a multiple of "
+                                   f"[gemm].k_chunk = {spec.k_chunk}; a K shard must start on a chunk boundary "
+                                   f"(give each rank a whole number of chunks)")
+        self.check_linear(x, weight, None, torch.float32)
+        k = x.shape[-1]
+        x2 = x.reshape(-1, k)
+        parts = [self.linear(x2[:, start:end], weight[:, start:end], out_dtype=torch.float32)
+                 for start, end in spec.chunk_ranges(k)]
+        if not parts:
+            return torch.zeros(0, x2.shape[0], weight.shape[0], dtype=torch.float32, device=x.device)
+        return torch.stack(parts)
+
+    def combine_chunks(self, partials: torch.Tensor, bias: torch.Tensor | None = None, *,
+                       out_dtype: torch.dtype) -> torch.Tensor:
+        """[gemm]'s combine of chunk partials (C, M, N) fp32 given in ascending chunk order: total = +0,
+        then total = fl32(total + partial_i) for i = 0 .. C-1, then fl32(total + bias) (bias (N,) in the
+        activation dtype, upcast exactly), then one nearest-even rounding to ``out_dtype``. Returns (M, N).
+
+        The default is elementwise IEEE fp32 arithmetic, which every torch device does exactly."""
+        if partials.dim() != 3 or partials.dtype != torch.float32:
+            raise UnsupportedError(f"{self.name}.combine_chunks: partials must be (C, M, N) fp32, got "
+                                   f"{tuple(partials.shape)} {partials.dtype}")
+        if bias is not None and bias.shape != (partials.shape[2],):
+            raise UnsupportedError(f"{self.name}.combine_chunks: bias must be ({partials.shape[2]},), got "
+                                   f"{tuple(bias.shape)}")
+        total = torch.zeros(partials.shape[1:], dtype=torch.float32, device=partials.device)
+        for part in partials:
+            total = total + part
+        if bias is not None:
+            total = total + bias.float()
+        return total.to(out_dtype)
+
+    def logprob_chunk_max(self, logits: torch.Tensor, temperature: float = 1.0, vocab_offset: int = 0) -> torch.Tensor:
+        """Per [logprobs] vocab chunk of a vocab shard (logits (M, Vs), the shard starting at column
+        ``vocab_offset``, a multiple of vocab_chunk): the max of x = fl32(logit / T). Returns (M, C) fp32."""
+        raise UnsupportedError(f"backend {self.name!r} does not realise vocab-parallel logprobs "
+                               f"(logprob_chunk_max); use one that does (`hal doctor`) or gather the logits")
+
+    def logprob_chunk_sums(self, logits: torch.Tensor, row_max: torch.Tensor, temperature: float = 1.0,
+                           vocab_offset: int = 0) -> torch.Tensor:
+        """Per [logprobs] vocab chunk of a vocab shard: the chunk's sum of exp(fl32(x - row_max)), summed
+        as ``token_logprobs`` sums that chunk on one device; row_max (M,) fp32 is the max of the whole
+        row. Returns (M, C) fp32."""
+        raise UnsupportedError(f"backend {self.name!r} does not realise vocab-parallel logprobs "
+                               f"(logprob_chunk_sums); use one that does (`hal doctor`) or gather the logits")
+
+    def logprob_combine(self, token_logits: torch.Tensor, row_max: torch.Tensor, chunk_sums: torch.Tensor,
+                        temperature: float = 1.0) -> torch.Tensor:
+        """The end of ``token_logprobs`` from gathered pieces: S = +0 plus the chunk sums (M, C) of the
+        whole row in ascending order (fp32), x_t = fl32(token_logit / T), logp = fl32(fl32(x_t - row_max)
+        - log(S)). Returns (M,) fp32, bitwise ``token_logprobs`` of the full row."""
+        raise UnsupportedError(f"backend {self.name!r} does not realise vocab-parallel logprobs "
+                               f"(logprob_combine); use one that does (`hal doctor`) or gather the logits")
+
+    def _gemm_spec(self, op: str):
+        if self.contract is None:
+            raise UnsupportedError(f"{self.name}.{op}: a baseline backend (no contract) has no K chunks to expose; "
+                                   f"use a contract backend")
+        return self.contract.gemm
+
+
 # -- the shared input checks, run before every op of every backend ---------------------------------
 # Each takes the op's arguments and returns None (go on to the backend) or the op's result for an
 # empty batch (0 rows: returned as torch does, without launching anything).

@@ -342,16 +342,55 @@ class Fp8:
         return _ranges(k, self.activation_group)
 
 
+@dataclass(frozen=True)
+class Parallel:
+    """Tensor parallelism (only in contracts that cover sharded models; see ``OPTIONAL_SECTIONS``).
+    ``hal/parallel.py`` realises each rule once; ``docs/parallel.md`` explains them.
+
+    Every cross-rank reduction is part of the contract and none depends on the parallel degree: a
+    rank's shard of a reduced dim is made of whole contract chunks at their absolute offsets, the
+    ranks exchange the per-chunk fp32 values, and every rank combines them exactly as one device
+    combines its chunks. So TP = 1, 2, 4, ... give the same bits, and a plain all-reduce sum (whose
+    tree depends on the degree and the transport) is never used for a value that decides bits."""
+
+    shards: str = _choice("whole_chunks", doc="the ranks hold equal contiguous shards, in rank order, of every "
+                                              "reduced dim that is split (a row-parallel linear's K, the "
+                                              "vocabulary), each a whole number of the contract's chunks "
+                                              "([gemm].k_chunk, [logprobs].vocab_chunk); any other layout is "
+                                              "refused")
+    row_parallel: str = _choice("gather_chunk_partials_ascending",
+                                doc="a row-parallel linear (o_proj, down_proj): each rank computes the fp32 "
+                                    "sums of its K chunks (each from zero, as in [gemm]); the partials of all "
+                                    "ranks are all-gathered and every rank adds them in ascending global chunk "
+                                    "order into an fp32 total from +0, adds the bias in fp32 and rounds once: "
+                                    "exactly the one-device [gemm] rule")
+    vocab_parallel: str = _choice("gather_chunk_max_then_chunk_sums",
+                                  doc="vocab-parallel logprobs: each rank computes the max of x = fl32(logit / T) "
+                                      "over each of its vocab chunks; the chunk maxes are all-gathered and M = "
+                                      "their max (exact in any order); each rank computes, per chunk, the sum "
+                                      "of exp(fl32(x - M)) as [logprobs] does on one device; the chunk sums are "
+                                      "all-gathered and added in ascending global chunk order from +0; logp = "
+                                      "fl32(fl32(x_token - M) - log(S)) with the token's logit from its owner")
+    embedding: str = _choice("owner_row_copy", doc="vocab-parallel embedding: the rank that holds a token's row "
+                                                  "looks it up and the row is copied to every rank (an exact "
+                                                  "gather, no arithmetic)")
+    column_parallel: str = _choice("local", doc="column-parallel linears (qkv, gate_up, lm_head) and "
+                                                "head-parallel attention compute whole outputs on one rank: "
+                                                "no cross-rank arithmetic; their outputs are exchanged by "
+                                                "exact copies (all-gather) where a full row is needed")
+
+
 SECTIONS: dict[str, type] = {
     "contract": Header, "gemm": Gemm, "attention": Attention, "rms_norm": RmsNorm,
     "silu_mul": SiluMul, "rope": Rope, "logprobs": Logprobs, "reduce": Reduce, "topk": TopK,
-    "moe": Moe, "fp8": Fp8,
+    "moe": Moe, "fp8": Fp8, "parallel": Parallel,
 }
 #: Sections a contract may leave out: a contract without [moe] covers dense models only, and an MoE
 #: layer refuses to run under it. An absent section is absent from the fingerprint too, so adding an
 #: optional section to the schema changes no existing contract's fingerprint. Likewise [fp8]: a contract
-#: without it has no FP8 linears or FP8 KV cache, and those refuse to run under it.
-OPTIONAL_SECTIONS = ("moe", "fp8")
+#: without it has no FP8 linears or FP8 KV cache, and those refuse to run under it. And [parallel]: a
+#: contract without it covers one device only, and a tensor-parallel model refuses to run under it.
+OPTIONAL_SECTIONS = ("moe", "fp8", "parallel")
 
 
 @dataclass(frozen=True)
@@ -369,6 +408,7 @@ class Contract:
     topk: TopK
     moe: Moe | None = None
     fp8: Fp8 | None = None
+    parallel: Parallel | None = None
     source: str = field(compare=False, default="<memory>")
 
     @property

@@ -312,6 +312,12 @@ class DecoderLM(nn.Module):
         return self.model.embed_tokens.weight.dtype
 
     @property
+    def full_config(self) -> ModelConfig:
+        """The config of the whole (unsharded) model: ``config`` itself here; a tensor-parallel shard
+        (``hal.model.parallel``) holds a config of its shard's sizes and returns the whole model's."""
+        return self.config
+
+    @property
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
@@ -401,7 +407,7 @@ class DecoderLM(nn.Module):
         record = trace.record if trace is not None and trace.watching else (lambda *a, **k: None)
         if trace is not None:
             trace.record_tokens(token_ids)
-        h = F.embedding(token_ids, self.model.embed_tokens.weight)            # exact gather
+        h = self._embed(token_ids)                                           # exact gather
         record("model.embed_tokens", h)
         residual = None
         for i, layer in enumerate(self.model.layers):
@@ -458,6 +464,17 @@ class DecoderLM(nn.Module):
         record("lm_head", logits, row_map)
         return logits
 
+    def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(token_ids, self.model.embed_tokens.weight)
+
+    def _op_set(self, backend: Backend, training: bool) -> _KernelOps:
+        """The ops a forward runs: kernels (inference) or kernels under autograd (training)."""
+        return _AutogradOps(backend) if training else _KernelOps(backend)
+
+    def next_token_logprobs(self, logits: torch.Tensor, token_ids: torch.Tensor, temperature: float) -> torch.Tensor:
+        """fp32 (M,) logprobs of sampled tokens from ``forward_infer``'s logits (the rollout's report)."""
+        return self.backend.token_logprobs(logits, token_ids, temperature)
+
     @staticmethod
     def _mlp(ops: _KernelOps, mlp: MLP, h: torch.Tensor, p: str, record) -> torch.Tensor:
         h = ops.proj(h, mlp.gate_up_proj, name=p + "gate_up_proj")
@@ -506,7 +523,7 @@ class DecoderLM(nn.Module):
         def attend(i, q, k, v):
             return ag.write_and_attend(backend, q, k, v, kv_caches[i], batch.slot_mapping, batch.meta, scale)
 
-        return self._core(_KernelOps(backend), batch.token_ids, batch.positions, attend, batch.logits_rows, trace)
+        return self._core(self._op_set(backend, False), batch.token_ids, batch.positions, attend, batch.logits_rows, trace)
 
     # -- training -------------------------------------------------------------------------------
 
@@ -529,7 +546,7 @@ class DecoderLM(nn.Module):
         def attend(i, q, k, v):
             return ag.train_attention(backend, q, k, v, layout, scale, name=f"model.layers.{i}.self_attn.attn")
 
-        logits = self._core(_AutogradOps(backend), token_ids.to(device), positions, attend, logits_rows, trace)
+        logits = self._core(self._op_set(backend, True), token_ids.to(device), positions, attend, logits_rows, trace)
         if torch.is_grad_enabled() and logits.requires_grad:
             # the FP8 linears' quantised buffers too: a refresh between forward and backward changes them
             fp8_buffers = ((n, b) for n, b in self.named_buffers() if n.endswith(("weight_fp8", "weight_scale_inv")))
@@ -568,7 +585,7 @@ class DecoderLM(nn.Module):
                                 call=f"train batch of {len(sequences)} sequences, {offset} tokens")
         with watch:
             logits = self.forward_train(token_ids, seq_lens, logits_rows=rows_t, page_size=page_size, trace=trace)
-            ops = _AutogradOps(self.backend)
+            ops = self._op_set(self.backend, True)
             logprobs = ops.token_logprobs(logits, torch.tensor(targets, dtype=torch.long, device=device),
                                           temperature, name="logprob")
             if trace is not None:

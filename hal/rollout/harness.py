@@ -6,7 +6,7 @@ requests, cuts each request's remaining prefill into a random chunk within a tok
 the chosen queries out as one packed batch (prefill chunks and decodes mixed, pages handed out
 in a scrambled order) and runs ``DecoderLM.forward_infer``. Sequences whose prefill or decode
 reaches their last token sample the next one with ``sample_tokens`` (noise from the request's seed
-and the position only) and report its fp32 logprob from ``backend.token_logprobs`` of the fp32
+and the position only) and report its fp32 logprob from ``model.next_token_logprobs`` (``backend.token_logprobs``) of the fp32
 logits. So with a batch-invariant, phase-consistent backend every token and logprob is the same
 whatever the schedule, and equal to the trainer's recomputation (``recompute_logprobs``).
 
@@ -239,7 +239,7 @@ class RolloutHarness:
     # -- checks ---------------------------------------------------------------------------------
 
     def _check(self, requests: Sequence[Request], num_pages: int) -> None:
-        c = self.model.config
+        c = self.model.full_config
         for i, r in enumerate(requests):
             if not r.prompt:
                 raise HalError(f"request {i}: empty prompt")
@@ -401,7 +401,6 @@ class RolloutHarness:
                     seq.computed += n
             if not sampling:
                 return
-            backend = self.model.backend
             tokens = sample_tokens(logits[:len(sampling)], [s.request.seed for s, _ in sampling],
                                    [p for _, p in sampling], [s.request.temperature for s, _ in sampling]).tolist()
             logprobs: list[torch.Tensor | None] = [None] * len(sampling)
@@ -410,7 +409,7 @@ class RolloutHarness:
                 idx = [i for i, (s, _) in enumerate(sampling) if s.request.logprob_temperature == temperature]
                 index = torch.tensor(idx, dtype=torch.long, device=device)
                 token_ids = torch.tensor([tokens[i] for i in idx], dtype=torch.long, device=device)
-                values = backend.token_logprobs(logits[index], token_ids, temperature).cpu()
+                values = self.model.next_token_logprobs(logits[index], token_ids, temperature).cpu()
                 if trace is not None:
                     trace.record("logprob", values.unsqueeze(-1), batch.logits_rows[index])
                 for j, i in enumerate(idx):

@@ -142,6 +142,38 @@ class ReferenceBackend(Backend):
         shifted, log_sum = self._shifted_and_log_sum(logits, temperature)
         return shifted.gather(-1, token_ids.long().view(-1, 1)).squeeze(-1) - log_sum
 
+    # -- vocab-parallel pieces of token_logprobs ([parallel], hal/parallel.py) -------------------
+
+    def _vocab_chunks(self, op, logits, vocab_offset, temperature):
+        chunk = self.contract.logprobs.vocab_chunk
+        if vocab_offset < 0 or vocab_offset % chunk:
+            raise UnsupportedError(f"reference.{op}: vocab_offset {vocab_offset} is not a multiple of "
+                                   f"[logprobs].vocab_chunk = {chunk}; a vocab shard must start on a chunk boundary")
+        self.check_logits(logits, temperature, op)
+        return self.contract.logprobs.chunk_ranges(logits.shape[-1])
+
+    def _scaled(self, logits, temperature):
+        x = logits.float()
+        return _fdiv(x, float(temperature)) if temperature != 1.0 else x
+
+    def logprob_chunk_max(self, logits, temperature=1.0, vocab_offset=0):
+        ranges = self._vocab_chunks("logprob_chunk_max", logits, vocab_offset, temperature)
+        x = self._scaled(logits, temperature)
+        return torch.stack([x[:, s:e].amax(-1) for s, e in ranges], dim=-1)
+
+    def logprob_chunk_sums(self, logits, row_max, temperature=1.0, vocab_offset=0):
+        ranges = self._vocab_chunks("logprob_chunk_sums", logits, vocab_offset, temperature)
+        shifted = self._scaled(logits, temperature) - row_max.float().unsqueeze(-1)
+        terms = exp_fp32(shifted).double()
+        return torch.stack([exact.sum_fp32(terms[:, s:e], 24) for s, e in ranges], dim=-1)
+
+    def logprob_combine(self, token_logits, row_max, chunk_sums, temperature=1.0):
+        total = torch.zeros_like(row_max, dtype=torch.float32)
+        for c in range(chunk_sums.shape[-1]):
+            total = total + chunk_sums[:, c]
+        x_t = self._scaled(token_logits, temperature)
+        return (x_t - row_max) - log_fp32(total)
+
     # -- reductions and top-k -----------------------------------------------------------------
 
     def _sum_last(self, x):
