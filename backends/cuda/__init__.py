@@ -168,6 +168,12 @@ class CudaBackend(Backend):
         # Two launches (hal/kernels/fp8_gemm.py): the per-group activation quantisation, then the
         # block-scaled GEMM; each token's groups are quantised from that token alone.
         spec = fp8.spec_of(self.contract, "cuda.fp8_linear")
+        if not _interpreting():
+            # Written and checked under the interpreter only: on a GPU the fp8 MMA's accumulation inside a
+            # K block (Hopper's is narrower than fp32) must first be shown batch- and tile-invariant.
+            raise UnsupportedError("cuda.fp8_linear: the FP8 kernels have not been verified on a GPU yet (bitwise "
+                                   "batch invariance and tile freedom of the fp8 MMA; docs/fp8.md); until then "
+                                   "only the Triton interpreter runs them")
         x2 = x.reshape(-1, x.shape[-1])
         out = self._fp8_gemm.linear(x2, weight, weight_scale_inv, bias, out_dtype or x.dtype, spec,
                                     policy=self._launch)
