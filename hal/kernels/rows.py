@@ -54,13 +54,9 @@ def _inverse_rms(sum_sq, n, eps, MEAN_RECIPROCAL: tl.constexpr):
     return tl.div_rn(1.0, tl.sqrt_rn(mean_sq + eps))
 
 
-# ``n`` is specialised (Triton notes whether it is a multiple of 16): with it unknown the ``offs < n``
-# mask kept every load and store scalar, and RMSNorm + residual at 8192 x 2048 bf16 ran at 1.4 TB/s
-# (95 us on the H200, torch 48 us). Specialisation changes the instructions, not the arithmetic.
-@triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n, stride_x, stride_r, stride_o, stride_ro, eps,
-                     HAS_RESIDUAL: tl.constexpr, IS_BF16: tl.constexpr, BLOCK: tl.constexpr,
-                     MEAN_RECIPROCAL: tl.constexpr, ONE_BLOCK: tl.constexpr):
+def _rms_norm_body(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n, stride_x, stride_r, stride_o, stride_ro, eps,
+                   HAS_RESIDUAL: tl.constexpr, IS_BF16: tl.constexpr, BLOCK: tl.constexpr,
+                   MEAN_RECIPROCAL: tl.constexpr, ONE_BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     r_row = res_ptr + row * stride_r
@@ -92,6 +88,15 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n, stride_x, s
             tl.store(out_ptr + row * stride_o + offs, to_activation((x * inv) * w, IS_BF16), mask=mask)
 
 
+
+# ``n`` is specialised (Triton notes whether it is a multiple of 16): with it unknown the ``offs < n``
+# mask kept every load and store scalar, and RMSNorm + residual at 8192 x 2048 bf16 ran at 1.4 TB/s
+# (95 us on the H200, torch 48 us). Specialisation changes the instructions, not the arithmetic.
+# Triton also turns an integer argument equal to 1 into a constant, which has no ``.to()``: rows of
+# width 1 take the unspecialised compile of the same source.
+_rms_norm_kernel = triton.jit(_rms_norm_body)
+_rms_norm_kernel_width_1 = triton.jit(do_not_specialize=["n"])(_rms_norm_body)
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
              spec: RmsNorm, num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(out, residual_out or None); the sum of squares in row blocks of ``spec.row_block``."""
@@ -102,12 +107,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     res_out = torch.empty_like(x2) if residual is not None else out
     block = min(spec.row_block, next_power_of_2(n))
     if x2.shape[0]:
-        _rms_norm_kernel[(x2.shape[0],)](x2, res2, weight, out, res_out, n, x2.stride(0), res2.stride(0),
-                                         out.stride(0), res_out.stride(0), float(torch.tensor(eps).float()),
-                                         HAS_RESIDUAL=residual is not None, IS_BF16=x.dtype == torch.bfloat16,
-                                         BLOCK=block, MEAN_RECIPROCAL=spec.inv_rms == "mul_reciprocal_div_rn_sqrt_rn",
-                                         ONE_BLOCK=n <= block,
-                                         num_warps=num_warps or (8 if block >= 2048 else 4), **LAUNCH)
+        kernel = _rms_norm_kernel_width_1 if n == 1 else _rms_norm_kernel
+        kernel[(x2.shape[0],)](x2, res2, weight, out, res_out, n, x2.stride(0), res2.stride(0), out.stride(0),
+                               res_out.stride(0), float(torch.tensor(eps).float()),
+                               HAS_RESIDUAL=residual is not None, IS_BF16=x.dtype == torch.bfloat16, BLOCK=block,
+                               MEAN_RECIPROCAL=spec.inv_rms == "mul_reciprocal_div_rn_sqrt_rn", ONE_BLOCK=n <= block,
+                               num_warps=num_warps or (8 if block >= 2048 else 4), **LAUNCH)
     return out.view(x.shape), (res_out.view(x.shape) if residual is not None else None)
 
 
