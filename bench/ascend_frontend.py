@@ -24,7 +24,7 @@ import argparse
 import json
 import re
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -38,7 +38,6 @@ class Launch:
     signature: dict
     constants: dict
     options: dict
-    stages: list = field(default_factory=list)
 
 
 LAUNCHES: list[Launch] = []
@@ -133,24 +132,21 @@ def _outcome(stage: str, detail: str) -> str:
     return "failed"
 
 
-def compile_stages(launch: Launch, arch: str) -> None:
-    """Run the Ascend backend's stages one by one: Triton IR, the adapter (Linalg), the NPU binary."""
+def compile_for_npu(launch: Launch, arch: str) -> tuple[str, str, str]:
+    """(stage, outcome, detail): the Ascend backend's stages run in order (Triton IR, the adapter to
+    Linalg, the NPU binary) and the first that fails is named."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compiler
 
-    target = GPUTarget("npu", arch, 0)
-    backend = compiler.make_backend(target)
-    options = backend.parse_options(dict(launch.options))
     src = ASTSource(fn=launch.kernel, signature=launch.signature, constants=launch.constants)
     try:
-        triton.compile(src, target=target, options=dict(launch.options))
-        launch.stages.append(("all", "ok", ""))
+        triton.compile(src, target=GPUTarget("npu", arch, 0), options=dict(launch.options))
+        return "all", "ok", ""
     except compiler.MLIRCompilationError as exc:  # a named stage failed
         stage, detail = getattr(exc, "stage_name", "?"), _first_error(exc)
-        launch.stages.append((stage, _outcome(stage, detail), detail))
+        return stage, _outcome(stage, detail), detail
     except Exception as exc:   # noqa: BLE001 (frontend errors come as many types)
-        launch.stages.append(("frontend", "failed", _first_error(exc)))
-    del options
+        return "frontend", "failed", _first_error(exc)
 
 
 def main(argv=None) -> int:
@@ -171,8 +167,7 @@ def main(argv=None) -> int:
         if key in seen:
             continue
         seen.add(key)
-        compile_stages(launch, args.arch)
-        stage, outcome, detail = launch.stages[-1]
+        stage, outcome, detail = compile_for_npu(launch, args.arch)
         rows.append(dict(op=launch.op, kernel=launch.kernel.__name__, stage=stage, outcome=outcome, detail=detail,
                          constants={k: str(v) for k, v in launch.constants.items()}, options=launch.options))
         print(f"{launch.op:24} {launch.kernel.__name__:26} {stage:10} {outcome:7} {detail[:140]}", flush=True)

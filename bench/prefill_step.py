@@ -30,7 +30,6 @@ from hal.api import create_backend
 from hal.backend import AttentionMetadata
 
 PAGE = 64
-SWEEP = False   # --attention-sweep
 
 
 def prompts(tokens: int, gen: torch.Generator) -> list[int]:
@@ -70,7 +69,7 @@ def flash_varlen(q, k, v, starts, max_len, scale):
                                                            False, scale=scale)
 
 
-def measure(shape: str, tokens: int, cuda) -> dict:
+def measure(shape: str, tokens: int, cuda, sweep: bool = False) -> dict:
     hidden, inter, layers, hq, hkv, d, vocab = SHAPES[shape]
     gen = torch.Generator().manual_seed(tokens)
     dt = torch.bfloat16
@@ -119,7 +118,7 @@ def measure(shape: str, tokens: int, cuda) -> dict:
         r["TFLOPs"] = flops / r["graph_ms"] / 1e9
         print(f"    {r['TFLOPs']:.0f} TFLOP/s", flush=True)
     rows.append(r)
-    if SWEEP and not ds.DRY:
+    if sweep and not ds.DRY:
         # launch shapes of the prefill attention (free: tile freedom, bench/tile_freedom.py): device time each
         from hal.kernels import attention as attention_kernels
         for block_q, warps, stages in ((16, 4, 2), (64, 4, 2), (64, 8, 2), (32, 8, 3), (64, 8, 3)):
@@ -128,7 +127,8 @@ def measure(shape: str, tokens: int, cuda) -> dict:
                 cuda.contract.attention, policy=cuda._launch, block_q=b, num_warps=w, num_stages=st)
             try:
                 same = torch.equal(call(), cuda.attention(q, k_cache, v_cache, meta, scale=scale))
-                rows.append(row(f"  attention BLOCK_Q={block_q} w{warps} s{stages}", call, same_bits=same))
+                rows.append(row(f"attention BLOCK_Q={block_q} w{warps} s{stages}", call, sweep=True,
+                                same_bits=same))
             except Exception as exc:   # noqa: BLE001 (out of resources: reported)
                 print(f"  attention BLOCK_Q={block_q} w{warps} s{stages}: {type(exc).__name__}", flush=True)
     h = torch.randn(len(lengths), hidden, device=ds.DEVICE, dtype=dt)
@@ -137,10 +137,10 @@ def measure(shape: str, tokens: int, cuda) -> dict:
                     lambda: F.linear(h, emb).float(), per_layer=0))
 
     def total(key):
-        return sum(0 if r["op"].startswith("  ") else (r[key] if r.get(key) is not None else r["eager_ms"]) * (r["per_layer"] * layers or 1)
-                   for r in rows)
+        return sum((r[key] if r.get(key) is not None else r["eager_ms"]) * (r["per_layer"] * layers or 1)
+                   for r in rows if not r.get("sweep"))     # the sweep's variants are not part of the step
     summary = {"step_graph_ms": total("graph_ms"), "step_eager_ms": total("eager_ms")}
-    stock_rows = [r for r in rows if r.get("stock_graph_ms") and not r["op"].startswith("  ")]
+    stock_rows = [r for r in rows if r.get("stock_graph_ms") and not r.get("sweep")]
     summary["stock_ops_ms"] = sum(r["stock_graph_ms"] * (r["per_layer"] * layers or 1) for r in stock_rows)
     summary["ours_same_ops_ms"] = sum(r["graph_ms"] * (r["per_layer"] * layers or 1) for r in stock_rows)
     print("  step totals: " + ", ".join(f"{k} {v:.2f} ms" for k, v in summary.items()), flush=True)
@@ -155,13 +155,12 @@ def main(argv=None) -> int:
     parser.add_argument("--dry", action="store_true", help="check the script on the CPU (TRITON_INTERPRET=1)")
     parser.add_argument("--attention-sweep", action="store_true", help="also time prefill attention launch shapes")
     args = parser.parse_args(argv)
-    global SWEEP
-    SWEEP = args.attention_sweep
     if args.dry:
         ds.DEVICE, ds.DRY = "cpu", True
         args.shape, args.tokens = "tiny", "300"
     cuda = create_backend("cuda")
-    results = [measure(s, int(t), cuda) for s in args.shape.split(",") for t in args.tokens.split(",")]
+    results = [measure(s, int(t), cuda, args.attention_sweep) for s in args.shape.split(",")
+               for t in args.tokens.split(",")]
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name() if not ds.DRY else "cpu", "torch": torch.__version__,
