@@ -35,6 +35,22 @@ def backend_for_tests(name: str):
     return create_backend(name)
 
 
+def assert_schedules_and_trainer_agree(runs, trains) -> None:
+    """The train == rollout property of the harness tests: every schedule gives the first schedule's
+    tokens and bitwise its logprobs, and every training packing recomputes those logprobs bitwise (fp32,
+    one per response token)."""
+    import torch
+
+    first = runs[0]
+    for run in runs[1:]:
+        for a, b in zip(first, run):
+            assert a.tokens == b.tokens and torch.equal(a.logprobs, b.logprobs)
+    for train in trains:
+        for c, lp in zip(first, train):
+            assert lp.dtype == torch.float32 and lp.shape == c.logprobs.shape
+            assert torch.equal(lp, c.logprobs), f"request {c.request}: train {lp} vs rollout {c.logprobs}"
+
+
 class HostFact(UserWarning):
     """A fact about this host's stock kernels (for example: its BLAS happens to be batch-invariant).
     Reported in pytest's warnings summary, never asserted: tests assert properties of the project."""

@@ -15,7 +15,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import HostFact
+from conftest import HostFact, assert_schedules_and_trainer_agree
 
 from hal.backends.reference import ReferenceBackend
 from hal.backends.reference.attention import paged_attention
@@ -77,16 +77,10 @@ def test_training_logprobs_equal_rollout_logprobs_bitwise(arch, dtype):
     assert max(stats[1].rows) > 12 and min(stats[2].rows) < 7
     first = runs[0]
     assert sum(len(c.tokens) for c in first) >= 40
-    # every schedule: the same tokens and bitwise the same logprobs
-    for run in runs[1:]:
-        for a, b in zip(first, run):
-            assert a.tokens == b.tokens
-            assert torch.equal(a.logprobs, b.logprobs)
-    # every training packing: bitwise the rollout's logprobs, for every response token
+    # every schedule: the same tokens and bitwise the same logprobs; every training packing: bitwise
+    # the rollout's logprobs, for every response token
+    assert_schedules_and_trainer_agree(runs, trains)
     for train in trains:
-        for c, lp in zip(first, train):
-            assert lp.dtype == torch.float32 and lp.shape == c.logprobs.shape
-            assert torch.equal(lp, c.logprobs), f"request {c.request}: train {lp} vs rollout {c.logprobs}"
         report = compare_logprobs(train, [c.logprobs for c in first])
         assert report.identical and report.max_abs_diff == 0.0 and report.k3_kl == 0.0
 
