@@ -95,19 +95,22 @@ def run_engine(args) -> None:
         engine.generate(requests(args.requests, 8, config["vocab_size"], seed=1))
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        with step_times(engine) as steps:
+        with step_times(engine) as steps, jit_compiles() as compiles, gpu_samples() as samples:
             completions = engine.generate(reqs)
             torch.cuda.synchronize()
         result["seconds"] = time.perf_counter() - t0
-        result["step_ms"] = steps
-        decode = sorted(steps[len(steps) // 4:])          # past the prefill chunks (all requests arrive at once)
-        print(f"{args.engine}: {len(steps)} engine steps; first 12 (ms): {' '.join(f'{t:.1f}' for t in steps[:12])}; "
-              f"later steps median {decode[len(decode) // 2]:.1f} ms", flush=True)
+        result["step_ms"] = [ms for _, ms in steps]
+        result["step_start_s"] = [start for start, _ in steps]   # time.time() at each step's start
+        result["jit_compiles"] = compiles
+        result["gpu_samples"] = samples
+        report_timed_run(args.engine, steps, compiles, samples)
         if args.profile:   # a third set of prompts, profiled (slower: not the speed figure)
             threads = sorted(f"{t.name}{' (daemon)' if t.daemon else ''}" for t in threading.enumerate())
             print(f"{args.engine}: {len(threads)} Python threads in the engine process: {', '.join(threads)}", flush=True)
-            with profiled(Path(args.out).with_suffix(".profile.txt")):
+            with profiled(Path(args.out).with_suffix(".profile.txt")), step_times(engine) as profiled_steps:
                 engine.generate(requests(args.requests, args.new_tokens, config["vocab_size"], seed=2))
+            print(f"{args.engine}: profiled generate's steps (ms): "
+                  f"{' '.join(f'{ms:.0f}' for _, ms in profiled_steps)}", flush=True)
             with python_profiled(Path(args.out).with_suffix(".python.profile.txt")):
                 engine.generate(requests(args.requests, 32, config["vocab_size"], seed=3))
         result["generated"] = sum(len(c.tokens) for c in completions)
@@ -160,27 +163,140 @@ def profiled(table: Path):
     head = (f"wall {wall_us / 1e6:.2f} s, GPU busy {busy_us / 1e6:.2f} s ({busy_us / wall_us:.0%}): the rest is "
             f"the GPU waiting for the host\n\n")
     print(f"profile: {head.strip()}", flush=True)
+    timeline = device_timeline(prof.events())
+    print("profile: GPU time per 250 ms of the profiled generate:\n" + timeline, flush=True)
     table.write_text(head + "by GPU time\n" + averages.table(sort_by="self_device_time_total", row_limit=50)
-                     + "\n\nby host time\n" + averages.table(sort_by="self_cpu_time_total", row_limit=50))
+                     + "\n\nby host time\n" + averages.table(sort_by="self_cpu_time_total", row_limit=50)
+                     + "\n\nGPU time per 250 ms window\n" + timeline)
+
+
+def device_timeline(events, window_us: float = 250e3, top: int = 4) -> str:
+    """Per window of the profile's wall time: the GPU's busy share and its top kernels (ms, launches):
+    a kernel that slows down mid-run shows here, where the whole-run table averages it away."""
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    if not kernels:
+        return "(no device events)"
+    origin = min(e.time_range.start for e in kernels)
+    windows: dict[int, dict[str, list]] = {}
+    for e in kernels:
+        per_name = windows.setdefault(int((e.time_range.start - origin) // window_us), {})
+        slot = per_name.setdefault(e.name[:60], [0.0, 0])
+        slot[0] += e.time_range.elapsed_us()
+        slot[1] += 1
+    lines = []
+    for index in sorted(windows):
+        per_name = windows[index]
+        busy = sum(v[0] for v in per_name.values())
+        ranked = sorted(per_name.items(), key=lambda kv: -kv[1][0])[:top]
+        lines.append(f"  {index * window_us / 1e6:5.2f} s: busy {busy / window_us:4.0%}; " + "; ".join(
+            f"{name} {v[0] / 1e3:.1f} ms/{v[1]}" for name, v in ranked))
+    return "\n".join(lines)
 
 
 @contextlib.contextmanager
 def step_times(engine):
-    """Wall milliseconds of every engine step (vLLM's LLMEngine.step: schedule, forward, sample, outputs)."""
+    """(time.time() at its start, wall milliseconds) of every engine step (vLLM's LLMEngine.step:
+    schedule, forward, sample, outputs)."""
     llm_engine = engine.llm.llm_engine
     step, times = llm_engine.step, []
 
     def timed_step(*a, **k):
-        t0 = time.perf_counter()
+        start, t0 = time.time(), time.perf_counter()
         try:
             return step(*a, **k)
         finally:
-            times.append((time.perf_counter() - t0) * 1e3)
+            times.append((start, (time.perf_counter() - t0) * 1e3))
     llm_engine.step = timed_step
     try:
         yield times
     finally:
         del llm_engine.step
+
+
+@contextlib.contextmanager
+def jit_compiles():
+    """Every Triton compile while the block runs: [time.time(), kernel name, its constexprs and the
+    specialised signature]. A compile in a timed run is a launch variant the warm-up did not reach
+    (vLLM's own monitor warns once per kernel name; this names each variant). Chained to vLLM's hook."""
+    from triton import knobs
+
+    events, previous = [], knobs.runtime.jit_post_compile_hook
+
+    def hook(**kwargs):
+        info = kwargs.get("compile") if isinstance(kwargs.get("compile"), dict) else {}
+        fn = kwargs.get("fn")
+        events.append([time.time(), getattr(fn, "name", "?"), repr(info.get("constants"))[:600],
+                       repr(info.get("signature"))[:600]])
+        return previous(**kwargs) if previous is not None else None
+    knobs.runtime.jit_post_compile_hook = hook
+    try:
+        yield events
+    finally:
+        knobs.runtime.jit_post_compile_hook = previous
+
+
+GPU_QUERY = "timestamp,utilization.gpu,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active"
+
+
+@contextlib.contextmanager
+def gpu_samples(period_ms: int = 50):
+    """nvidia-smi's utilisation, SM clock, power, temperature and throttle reasons every ``period_ms``
+    while the block runs (a separate process: the engine's own threads are not slowed). Rows:
+    [time.time(), util %, SM MHz, W, C, throttle bitmask]; empty where nvidia-smi is missing."""
+    import datetime
+    import shutil
+    import tempfile
+
+    rows: list = []
+    if shutil.which("nvidia-smi") is None:
+        yield rows
+        return
+    log = tempfile.NamedTemporaryFile("w+", suffix=".csv", delete=False)
+    proc = subprocess.Popen(["nvidia-smi", f"--query-gpu={GPU_QUERY}", "--format=csv,noheader,nounits",
+                             f"-lms={period_ms}"], stdout=log, stderr=subprocess.DEVNULL)
+    try:
+        yield rows
+    finally:
+        proc.terminate()
+        proc.wait()
+        log.seek(0)
+        for line in log.read().splitlines():
+            parts = [p.strip() for p in line.split(",")]
+            try:
+                stamp = datetime.datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
+                rows.append([stamp, float(parts[1]), float(parts[2]), float(parts[3]), float(parts[4]), parts[5]])
+            except (ValueError, IndexError):
+                continue
+        os.unlink(log.name)
+
+
+def report_timed_run(engine: str, steps, compiles, samples) -> None:
+    """One line of step times, then the GPU's state in windows of 25 steps (median utilisation, SM clock,
+    power; throttle reasons seen) and every Triton compile with the step it fell in: where a step's time
+    changes, these say whether the GPU slowed down, waited for the host, or compiled."""
+    ms = [t for _, t in steps]
+    decode = sorted(ms[len(ms) // 4:])          # past the prefill chunks (all requests arrive at once)
+    print(f"{engine}: {len(ms)} engine steps; first 12 (ms): {' '.join(f'{t:.1f}' for t in ms[:12])}; "
+          f"later steps median {decode[len(decode) // 2]:.1f} ms", flush=True)
+    print(f"{engine}: every step (ms): {' '.join(f'{t:.0f}' for t in ms)}", flush=True)
+
+    def median(xs):
+        xs = sorted(xs)
+        return xs[len(xs) // 2] if xs else float("nan")
+    for first in range(0, len(steps), 25):
+        window = steps[first:first + 25]
+        begin, end = window[0][0], window[-1][0] + window[-1][1] / 1e3
+        inside = [r for r in samples if begin <= r[0] <= end]
+        reasons = sorted({r[5] for r in inside})
+        print(f"{engine}: steps {first}-{first + len(window) - 1}: median {median([t for _, t in window]):.1f} ms; "
+              f"GPU util {median([r[1] for r in inside]):.0f}%, SM {median([r[2] for r in inside]):.0f} MHz, "
+              f"{median([r[3] for r in inside]):.0f} W, throttle {','.join(reasons) or '-'} ({len(inside)} samples)",
+              flush=True)
+    starts = [start for start, _ in steps]
+    for stamp, name, constants, signature in compiles:
+        index = max((i for i, s in enumerate(starts) if s <= stamp), default=-1)
+        print(f"{engine}: Triton compile in step {index}: {name} constants={constants} signature={signature}",
+              flush=True)
 
 
 @contextlib.contextmanager

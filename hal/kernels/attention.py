@@ -257,7 +257,11 @@ def _end_of_chunk(big_m, big_l, big_a, m, l, acc, n0, hi, q_row_ok, positions, t
     return big_m, big_l, big_a, m, l, acc
 
 
-@triton.jit
+# Per-call counts are not specialised: Triton compiles a variant for each pattern of "equal to 1 /
+# multiple of 16" its integer arguments show, and the batch's sequence and tile counts (and, outside
+# vLLM, the block table's width and split count) change from call to call: a vLLM run compiled new
+# variants in the middle of its timed generate. None of them strides a vectorised load.
+@triton.jit(do_not_specialize=["num_seqs", "num_tiles", "stride_bt", "max_splits"])
 def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_a_ptr, part_pos_ptr,
                       query_start_ptr, seq_lens_ptr, block_table_ptr, num_seqs, num_tiles,
                       stride_qt, stride_qh, stride_bt, stride_kp, stride_kr, stride_kh, stride_ot, stride_oh,
@@ -349,7 +353,7 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part
                  to_activation(out, IS_BF16), mask=q_row_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["max_splits"])   # per call outside vLLM (the block table's width)
 def _merge_kernel(part_m_ptr, part_l_ptr, part_a_ptr, part_pos_ptr, out_ptr, stride_ot, stride_oh, num_q_heads,
                   max_splits, KV_SPLIT: tl.constexpr, HEAD_DIM: tl.constexpr, IS_BF16: tl.constexpr,
                   EXP2: tl.constexpr):
