@@ -13,7 +13,8 @@ step measures the host cost per call.
     cd bench && python3 speed_sweep.py --only overhead --json overhead.json
     cd bench && python3 speed_sweep.py --graph --only layouts --json layouts.json   # KV-cache orders
 
-Steps (--only): overhead, gemm, attention (= prefill + decode), prefill, decode, layouts, logprobs.
+Steps (--only): overhead, gemm, attention (= prefill + decode), prefill, decode, vllm-decode (a vLLM decode step
+of ragged short contexts), layouts, logprobs.
 """
 
 from __future__ import annotations
@@ -257,6 +258,37 @@ def prefill_sweep(spec):
     return rows
 
 
+# A vLLM decode step (bench/vllm_gpu.py's 1.7B run): 256 sequences of 64..768 keys (prompts of
+# 64..512 plus up to 256 new tokens), Qwen3-1.7B's 16 query / 8 KV heads, 64-key pages. The
+# profile of session 7 put our decode attention at 167 us per layer there against stock vLLM's
+# FlashAttention 3 at 128 us (its KV stream: ~577 MB, 3.5 vs 4.5 TB/s).
+VLLM_DECODE_VARIANTS = DECODE_VARIANTS + [
+    dict(num_stages=3), dict(num_stages=4), dict(num_stages=6), dict(num_warps=2), dict(num_warps=8),
+    dict(splits_per_program=2, num_warps=8), dict(heads_fastest=False)]
+
+
+def vllm_decode_sweep(spec):
+    rows = []
+    hq, hkv, d, page = 16, 8, 128, 64
+    g = torch.Generator().manual_seed(0)
+    for batch, lo, hi in [(256, 64, 768), (128, 64, 768), (256, 600, 1024)]:
+        lens = torch.randint(lo, hi + 1, (batch,), generator=g).tolist()
+        kv_bytes = 2 * sum(lens) * hkv * d * 2
+        sets = [paged_problem(lens, [1] * batch, hq, hkv, d, page) for _ in range(copies(kv_bytes))]
+        q, kc, vc, meta = sets[0]
+        ref = v0_attention.paged_attention(q, kc, vc, meta.query_start_loc, meta.seq_lens, meta.block_table,
+                                           d ** -0.5, spec.kv_chunk, spec.kv_split)
+        row = dict(op="vllm-decode", shape=f"B={batch} ctx={lo}..{hi} heads={hq}/{hkv} page={page}", variants=[])
+        best = _attention_variants(row, sets, spec, VLLM_DECODE_VARIANTS, ref)
+        default = row["variants"][0]
+        print(f"vllm-decode {row['shape']:<36} default {default['ms'] * 1e3:.1f} us "
+              f"({kv_bytes / default['ms'] / 1e9:.2f} TB/s) best {best['ms'] * 1e3:.1f} us {best['cfg']} "
+              f"({kv_bytes / best['ms'] / 1e9:.2f} TB/s) all_equal={all(v['equal_v0'] for v in row['variants'] if v['equal_v0'] is not None)} "
+              f"| us: {_times(row)}", flush=True)
+        rows.append(row)
+        del sets
+    return rows
+
 def decode_sweep(spec, layouts=False):
     """Decode launch variants on vLLM's cache order (page 16, NHD); with ``layouts``, the cache
     orders and page sizes of DECODE_LAYOUTS instead, each with DECODE_LAYOUT_LAUNCHES."""
@@ -369,6 +401,7 @@ def main() -> int:
              "attention": lambda: prefill_sweep(contract.attention) + decode_sweep(contract.attention),
              "prefill": lambda: prefill_sweep(contract.attention),
              "decode": lambda: decode_sweep(contract.attention),
+             "vllm-decode": lambda: vllm_decode_sweep(contract.attention),
              "layouts": lambda: decode_sweep(contract.attention, layouts=True),
              "gemm": lambda: gemm_sweep(contract.gemm.k_chunk, [int(m) for m in args.ms.split(",")],
                                         [tuple(int(v) for v in nk.split("x")) for nk in args.nk.split(",")])}
