@@ -446,13 +446,18 @@ def _decode_programs(programs: int, sms: int) -> tuple[int, int]:
     4096 keys, 512 programs on 132), programs of two splits (244 registers: 2 per multiprocessor)
     fit in one: 1.17 / 1.27x faster there. Elsewhere one split (two: 1.7x slower at 64 programs,
     2-5% slower at 4096 programs and more).
-    Many programs (over 16 per multiprocessor: B >= 8 x 32k, 64 x 4096) run on 2 warps: 2-4%
-    faster at 4096-16384 programs, 3% slower at 512 and at B = 1:
-    the 16-row tile's row max and sum then cross 2 warps instead of 4."""
+    Many programs (over 16 per multiprocessor) walk two consecutive splits each, on 4 warps: in a
+    vLLM decode step (256 sequences of 64..768 keys, 64-key pages, a block table for 1024 keys: two
+    splits, the second mostly empty) 142.5 against 156.4 us for one split on 2 warps, and 224-226 us
+    either way at 600..1024 keys (bench/speed_sweep.py --only vllm-decode, H200 session 7; the
+    bounds are from the block table, so short sequences leave one-split programs idle). Sessions 3-4
+    had measured two splits 2-5% slower at B = 64 x 4096 keys on 16-key pages, which is why it was
+    not the rule there."""
     if sms == 0:  # the launch policy knows no multiprocessor count (not a CUDA GPU): the plain shape
         return 1, 4
-    splits = 2 if 3 * sms < programs <= 4 * sms else 1
-    return splits, 2 if splits == 1 and programs > 16 * sms else 4
+    if programs > 16 * sms:
+        return 2, 4
+    return (2 if 3 * sms < programs <= 4 * sms else 1), 4
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start_loc: torch.Tensor,
