@@ -7,7 +7,7 @@ reference's choice: hal/kernels/fp8_gemm.py says why that is exact) at shapes th
 tiles and M tiles; every tile configuration gives the same bits; a token's output does not depend on
 its batch-mates; negative control: per-tensor dynamic scaling through the same kernel changes a
 token's bits when a louder batch-mate joins. Interpreter bits are not GPU bits: the H200's fp8 MMA
-accumulates differently, so on the GPU only the invariances are claimed (not run yet: docs/fp8.md).
+accumulates differently, so on the GPU only the invariances are claimed (shown on the H200: docs/fp8.md).
 """
 
 from __future__ import annotations
@@ -141,13 +141,14 @@ def test_fp8_model_on_the_cuda_kernels_training_equals_rollout(cuda):
         assert torch.equal(lp, c.logprobs), f"request {c.request}: train {lp} vs rollout {c.logprobs}"
 
 
-def test_fp8_linear_is_refused_on_a_gpu_until_verified_there(cuda, monkeypatch):
-    """Outside the interpreter (a GPU) the FP8 kernels refuse with the reason: they are not yet shown
-    batch- and tile-invariant on a GPU's fp8 MMA. Under the interpreter (the control) they run."""
+def test_fp8_linear_is_refused_on_gpus_it_was_not_verified_on(monkeypatch):
+    """On a GPU the FP8 kernels run only on the architectures where their bits were shown batch- and
+    tile-invariant (bench/fp8_gpu.py on the H200: compute capability 9.0); another one is refused with
+    the reason, the verified one passes the check (the control)."""
     import hal.backends.cuda as cuda_module
 
-    x, wq, ws = quantised_layer(3, 8, 128, seed=2)
-    cuda.fp8_linear(x, wq, ws)
-    monkeypatch.setattr(cuda_module, "_interpreting", lambda: False)
-    with pytest.raises(UnsupportedError, match="not been verified on a GPU"):
-        cuda.fp8_linear(x, wq, ws)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
+    with pytest.raises(UnsupportedError, match="verified bitwise .* on compute capability 9.0 only, this GPU is 8.9"):
+        cuda_module._check_fp8_architecture(torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    cuda_module._check_fp8_architecture(torch.device("cuda"))

@@ -48,6 +48,22 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+# The GPU architectures on which the FP8 kernels' bits were shown batch- and tile-invariant
+# (bench/fp8_gpu.py; H200, bench/results/h200-2026-12-01-session7). The fp8 MMA accumulates a K block
+# with fewer bits than fp32 and in an order of the hardware's choosing, so another architecture's MMA
+# must be shown invariant before it is trusted.
+FP8_VERIFIED_CAPABILITIES = ((9, 0),)
+
+
+def _check_fp8_architecture(device: torch.device) -> None:
+    capability = torch.cuda.get_device_capability(device)
+    if capability not in FP8_VERIFIED_CAPABILITIES:
+        raise UnsupportedError(
+            f"cuda.fp8_linear: the FP8 kernels are verified bitwise (batch invariance, tile freedom) on "
+            f"compute capability {', '.join(f'{a}.{b}' for a, b in FP8_VERIFIED_CAPABILITIES)} only, this GPU "
+            f"is {capability[0]}.{capability[1]}; run bench/fp8_gpu.py on it (docs/fp8.md) before adding it")
+
+
 class CudaBackend(Backend):
     name = "cuda"
     description = "Triton kernels for NVIDIA GPUs (or Triton's CPU interpreter with TRITON_INTERPRET=1)"
@@ -168,12 +184,9 @@ class CudaBackend(Backend):
         # Two launches (hal/kernels/fp8_gemm.py): the per-group activation quantisation, then the
         # block-scaled GEMM; each token's groups are quantised from that token alone.
         spec = fp8.spec_of(self.contract, "cuda.fp8_linear")
+        self.check_devices("fp8_linear", x, weight, weight_scale_inv, bias)
         if not _interpreting():
-            # Written and checked under the interpreter only: on a GPU the fp8 MMA's accumulation inside a
-            # K block (Hopper's is narrower than fp32) must first be shown batch- and tile-invariant.
-            raise UnsupportedError("cuda.fp8_linear: the FP8 kernels have not been verified on a GPU yet (bitwise "
-                                   "batch invariance and tile freedom of the fp8 MMA; docs/fp8.md); until then "
-                                   "only the Triton interpreter runs them")
+            _check_fp8_architecture(x.device)
         x2 = x.reshape(-1, x.shape[-1])
         out = self._fp8_gemm.linear(x2, weight, weight_scale_inv, bias, out_dtype or x.dtype, spec,
                                     policy=self._launch)
