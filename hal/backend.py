@@ -500,12 +500,7 @@ class Backend(abc.ABC):
         it joins would make it). It holds for every backend whose chunk sum does not depend on where
         the chunk sits in K (the contract's "fixed per backend and per chunk width"); a backend whose
         sum does must override it. One launch per chunk: correct first, fast later."""
-        spec = self._gemm_spec("linear_chunk_partials")
-        if k_offset < 0 or k_offset % spec.k_chunk:
-            raise UnsupportedError(f"{self.name}.linear_chunk_partials: k_offset {k_offset} is not a multiple of "
-                                   f"[gemm].k_chunk = {spec.k_chunk}; a K shard must start on a chunk boundary "
-                                   f"(give each rank a whole number of chunks)")
-        self.check_linear(x, weight, None, torch.float32)
+        spec = self.check_chunk_partials_inputs(x, weight, k_offset)
         k = x.shape[-1]
         x2 = x.reshape(-1, k)
         parts = [self.linear(x2[:, start:end], weight[:, start:end], out_dtype=torch.float32)
@@ -521,18 +516,32 @@ class Backend(abc.ABC):
         activation dtype, upcast exactly), then one nearest-even rounding to ``out_dtype``. Returns (M, N).
 
         The default is elementwise IEEE fp32 arithmetic, which every torch device does exactly."""
-        if partials.dim() != 3 or partials.dtype != torch.float32:
-            raise UnsupportedError(f"{self.name}.combine_chunks: partials must be (C, M, N) fp32, got "
-                                   f"{tuple(partials.shape)} {partials.dtype}")
-        if bias is not None and bias.shape != (partials.shape[2],):
-            raise UnsupportedError(f"{self.name}.combine_chunks: bias must be ({partials.shape[2]},), got "
-                                   f"{tuple(bias.shape)}")
+        self.check_combine_inputs(partials, bias)
         total = torch.zeros(partials.shape[1:], dtype=torch.float32, device=partials.device)
         for part in partials:
             total = total + part
         if bias is not None:
             total = total + bias.float()
         return total.to(out_dtype)
+
+    def check_chunk_partials_inputs(self, x: torch.Tensor, weight: torch.Tensor, k_offset: int):
+        """``linear_chunk_partials``'s checks (every backend's override runs them): the [gemm] spec."""
+        spec = self._gemm_spec("linear_chunk_partials")
+        if k_offset < 0 or k_offset % spec.k_chunk:
+            raise UnsupportedError(f"{self.name}.linear_chunk_partials: k_offset {k_offset} is not a multiple of "
+                                   f"[gemm].k_chunk = {spec.k_chunk}; a K shard must start on a chunk boundary "
+                                   f"(give each rank a whole number of chunks)")
+        self.check_linear(x, weight, None, torch.float32)
+        return spec
+
+    def check_combine_inputs(self, partials: torch.Tensor, bias: torch.Tensor | None) -> None:
+        """``combine_chunks``'s checks (every backend's override runs them)."""
+        if partials.dim() != 3 or partials.dtype != torch.float32:
+            raise UnsupportedError(f"{self.name}.combine_chunks: partials must be (C, M, N) fp32, got "
+                                   f"{tuple(partials.shape)} {partials.dtype}")
+        if bias is not None and bias.shape != (partials.shape[2],):
+            raise UnsupportedError(f"{self.name}.combine_chunks: bias must be ({partials.shape[2]},), got "
+                                   f"{tuple(bias.shape)}")
 
     def logprob_chunk_max(self, logits: torch.Tensor, temperature: float = 1.0, vocab_offset: int = 0) -> torch.Tensor:
         """Per [logprobs] vocab chunk of a vocab shard (logits (M, Vs), the shard starting at column

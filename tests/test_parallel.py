@@ -253,17 +253,21 @@ def test_chunk_partials_combined_equal_linear_reference(dtype):
 
 
 def test_chunk_partials_combined_equal_linear_cuda_interpreted():
-    """The default (a one-chunk ``linear`` per chunk) on the cuda backend's Triton GEMM, interpreted on the
-    CPU (k_chunk 256: the cuda backend realises multiples of 256). Not a GPU run."""
+    """The cuda backend's own pieces (the split-K launch's uncombined chunk sums, its combine kernel), its
+    Triton GEMM interpreted on the CPU (k_chunk 256: the cuda backend realises multiples of 256), at M
+    inside one 16-row tile and across two; the GPU run is bench/tp_overhead.py."""
     cuda = backend_for_tests("cuda")
     contract = dataclasses.replace(cuda.contract, gemm=dataclasses.replace(cuda.contract.gemm, k_chunk=256))
     cuda = type(cuda)(contract, cuda.device)
     g = torch.Generator().manual_seed(4)
     for dtype in (torch.bfloat16, torch.float32):
-        x, w = torch.randn(3, 1024, generator=g).to(dtype), torch.randn(16, 1024, generator=g).to(dtype)
-        bias = torch.randn(16, generator=g).to(dtype)
-        for n in (2, 4):
-            assert same(_combined(cuda, x, w, bias, n, dtype), cuda.linear(x, w, bias)), (dtype, n)
+        for m in (3, 17):
+            x, w = torch.randn(m, 1024, generator=g).to(dtype), torch.randn(70, 1024, generator=g).to(dtype)
+            bias = torch.randn(70, generator=g).to(dtype)
+            for n in (1, 2, 4):
+                assert same(_combined(cuda, x, w, bias, n, dtype), cuda.linear(x, w, bias)), (dtype, m, n)
+                assert same(_combined(cuda, x, w, None, n, torch.float32),
+                            cuda.linear(x, w, out_dtype=torch.float32)), (dtype, m, n)
 
 
 def test_vocab_chunk_stats_combined_equal_token_logprobs():

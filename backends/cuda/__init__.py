@@ -113,6 +113,21 @@ class CudaBackend(Backend):
         out = self._gemm.linear(x2, weight, bias, out_dtype or x.dtype, self.contract.gemm, policy=self._launch)
         return out.reshape(*x.shape[:-1], weight.shape[0])
 
+    def linear_chunk_partials(self, x, weight, k_offset=0):
+        # One split-K launch whose programs store each K chunk's fp32 sum (hal/kernels/gemm.py): the
+        # chunk's sum is the same wherever the chunk sits in K, so a shard's partials are the full
+        # GEMM's partials of those chunks.
+        spec = self.check_chunk_partials_inputs(x, weight, k_offset)
+        self.check_devices("linear_chunk_partials", x, weight)
+        x2 = x.reshape(-1, x.shape[-1])
+        return self._gemm.chunk_partials(x2.contiguous(), weight, spec, policy=self._launch)
+
+    def combine_chunks(self, partials, bias=None, *, out_dtype):
+        # The split-K launch's own combine kernel: +0, the partials in ascending order, the bias, one rounding.
+        self.check_combine_inputs(partials, bias)
+        self.check_devices("combine_chunks", partials, bias)
+        return self._gemm.combine(partials, bias, out_dtype)
+
     # -- attention and the KV cache -----------------------------------------------------------
 
     def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, *, scale):

@@ -203,14 +203,67 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out
         cfg.update(tiles)
     if config:
         cfg.update(config)
+    return _launch(x, weight, bias, out, cfg, spec, tma_ok, keep_partials=False)
+
+
+def chunk_partials(x: torch.Tensor, weight: torch.Tensor, spec: Gemm, config: dict | None = None, *,
+                   policy: LaunchPolicy) -> torch.Tensor:
+    """The fp32 sums of x @ weight.T's K chunks, uncombined: (C, M, N), chunk i over columns
+    [i k_chunk, (i + 1) k_chunk), each from zero as in ``linear`` (the split-K launch's partials, which
+    ``combine`` adds in ascending order: ``combine(chunk_partials(x, w)) == linear(x, w)`` bitwise).
+    The row-parallel linear (hal.parallel) gathers them across ranks before the one combine."""
+    m, k = x.shape
+    n = weight.shape[0]
+    chunks = spec.chunk_count(k)
+    partial = torch.zeros((chunks, m, n), device=x.device, dtype=torch.float32)
+    if m == 0 or n == 0 or k == 0:
+        return partial
+    tma_ok = not INTERPRET and _tma_ok(x) and _tma_ok(weight)
+    # The split launch's tiles (M is small at decode, large in prefill: the table's own rule for M).
+    cfg = dict(_config(m, n, k, spec, False, policy.multiprocessors(x.device)), split=True, tma=False)
+    cfg["chunks_per_program"] = 1
+    if config:
+        cfg.update(config)
+    return _launch(x, weight, None, None, cfg, spec, tma_ok, keep_partials=True, partial=partial)
+
+
+def combine(partials: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+    """[gemm]'s combine of (C, M, N) fp32 chunk partials in ascending chunk order: +0, then each
+    partial, then the bias in fp32, then one rounding to ``out_dtype``. Returns (M, N) (``out``)."""
+    chunks, m, n = partials.shape
+    if out is None:
+        out = torch.empty((m, n), device=partials.device, dtype=out_dtype)
+    if m == 0 or n == 0:
+        return out
+    block = 1024
+    _combine_kernel[(triton.cdiv(m * n, block),)](partials.contiguous(), bias if bias is not None else out, out, m,
+                                                   n, chunks, out.stride(0), out.stride(1),
+                                                   HAS_BIAS=bias is not None, OUT_BF16=out_dtype == torch.bfloat16,
+                                                   BLOCK=block, **LAUNCH)
+    return out
+
+
+def _launch(x, weight, bias, out, cfg: dict, spec: Gemm, tma_ok: bool, *, keep_partials: bool,
+            partial: torch.Tensor | None = None):
+    """One GEMM launch with the tiles of ``cfg``: the combined output into ``out``, or with
+    ``keep_partials`` the chunk sums into ``partial`` (returned uncombined)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    out_dtype = out.dtype if out is not None else torch.float32
     k_chunk = spec.k_chunk
     if k_chunk % cfg["BLOCK_K"]:
         raise ValueError(f"BLOCK_K {cfg['BLOCK_K']} must divide k_chunk {k_chunk}")
     chunks = spec.chunk_count(k)
-    split = cfg["split"] and chunks > 1
+    if keep_partials:
+        split = True
+    else:
+        split = cfg["split"] and chunks > 1
     per_program = min(cfg["chunks_per_program"], chunks) if split else chunks
-    bias_arg = bias if bias is not None else out
-    partial = torch.empty((chunks, m, n), device=x.device, dtype=torch.float32) if split else out
+    out_arg = out if out is not None else partial
+    bias_arg = bias if bias is not None else out_arg
+    if partial is None:
+        partial = torch.empty((chunks, m, n), device=x.device, dtype=torch.float32) if split else out
     # "tma" asks for descriptor loads where the tensors allow them (the bits are the same).
     tma = cfg["tma"] and not split and tma_ok
     if tma:
@@ -221,16 +274,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out
     else:
         x_arg, w_arg = x, weight
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(chunks, per_program))
-    _gemm_kernel[grid](x_arg, w_arg, bias_arg, out, partial, m, n, k, x.stride(0), x.stride(1), weight.stride(0),
-                       weight.stride(1), out.stride(0), out.stride(1), K_CHUNK=k_chunk, SPLIT=split,
+    _gemm_kernel[grid](x_arg, w_arg, bias_arg, out_arg, partial, m, n, k, x.stride(0), x.stride(1), weight.stride(0),
+                       weight.stride(1), out_arg.stride(0), out_arg.stride(1), K_CHUNK=k_chunk, SPLIT=split,
                        CHUNKS_PER_PROGRAM=per_program, HAS_BIAS=bias is not None,
                        OUT_BF16=out_dtype == torch.bfloat16, FP32_INPUTS=x.dtype == torch.float32,
                        UPCAST=INTERPRET and x.dtype != torch.float32, TMA=tma, BLOCK_M=cfg["BLOCK_M"],
                        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
                        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **LAUNCH)
+    if keep_partials:
+        return partial
     if split:
-        block = 1024
-        _combine_kernel[(triton.cdiv(m * n, block),)](partial, bias_arg, out, m, n, chunks, out.stride(0),
-                                                       out.stride(1), HAS_BIAS=bias is not None,
-                                                       OUT_BF16=out_dtype == torch.bfloat16, BLOCK=block, **LAUNCH)
+        return combine(partial, bias, out_dtype, out)
     return out
