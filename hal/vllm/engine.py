@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import json
 import logging
 import os
 import time
@@ -46,6 +47,32 @@ def configure_environment(workspace: str | os.PathLike, log_level: str = "WARNIN
     for key, value in defaults.items():
         os.environ.setdefault(key, str(value))
 
+
+
+def _fp8_scheme(model_dir: Path) -> dict | None:
+    """A block-FP8 checkpoint's scheme for the HAL's FP8 linear method ({"weight_block_size": [r, c]}),
+    read with the model config's own checks (``Fp8Quantization``: e4m3, dynamic activations, whole
+    modules); None for a checkpoint without a quantization_config."""
+    from hal.model.config import Fp8Quantization
+
+    config = json.loads((model_dir / "config.json").read_text())
+    if "quantization_config" not in config:
+        return None
+    scheme = Fp8Quantization.from_hf(config["quantization_config"], source=str(model_dir / "config.json"))
+    return {"weight_block_size": list(scheme.weight_block)}
+
+
+def _engine_view(model: DecoderLM) -> dict[str, torch.Tensor]:
+    """The trainer's tensors under the names of the engine's parameters: its parameters, except that a
+    block-FP8 linear's engine ``weight`` is the trainer's e4m3 ``weight_fp8`` (and its
+    ``weight_scale_inv`` the trainer's buffer of that name), not the master weight."""
+    from hal.model.fp8 import fp8_linears
+
+    view = dict(model.named_parameters())
+    for name, linear in fp8_linears(model):
+        view[f"{name}.weight"] = linear.weight_fp8
+        view[f"{name}.weight_scale_inv"] = linear.weight_scale_inv
+    return view
 
 class VllmEngine:
     """One vLLM ``LLM`` over a local HF checkpoint directory.
@@ -84,8 +111,12 @@ class VllmEngine:
         if block_size is not None:
             kwargs["block_size"] = block_size
         if binding is not None:
-            kwargs["hf_overrides"] = {"quantization_config": {"quant_method": QUANT_METHOD, "backend": binding.backend,
-                                                              **({"contract": binding.contract} if binding.contract else {})}}
+            options = {"quant_method": QUANT_METHOD, "backend": binding.backend,
+                       **({"contract": binding.contract} if binding.contract else {})}
+            fp8 = _fp8_scheme(self.model_dir)
+            if fp8 is not None:        # the "hal" method replaces the checkpoint's own quantization_config
+                options["fp8"] = fp8
+            kwargs["hf_overrides"] = {"quantization_config": options}
             kwargs["quantization"] = QUANT_METHOD
             # vLLM's compile-cache hash leaves the quantization options out: the binding's op key goes in,
             # so engines of other bindings never share compiled graphs (hal.vllm.quant.op_key)
@@ -192,7 +223,14 @@ class VllmEngine:
         ``check_weights`` them, including that every parameter kept its storage (in place).
         ``self.last_sync_seconds``: {"reload": the copy, "check": the digest check}."""
         storage = self._one_worker("hal_weight_pointers")
-        weights = [(name, param[rows].detach()) for name, (param, rows) in hf_slices(model).items()]
+        if model.config.fp8 is not None:
+            # block-FP8: the e4m3 weights and scales the trainer's forward uses (its master weights
+            # requantised by the contract's rule: hal.model.fp8), never the master weights themselves
+            from hal.model.fp8 import weight_sync_tensors
+
+            weights = weight_sync_tensors(model)
+        else:
+            weights = [(name, param[rows].detach()) for name, (param, rows) in hf_slices(model).items()]
         t0 = time.perf_counter()
         if self.binding is not None:     # weights kept as loaded: a plain in-place copy (HalWorkerExtension)
             self.llm.collective_rpc("hal_load_weights", kwargs={"weights": weights})
@@ -214,7 +252,7 @@ class VllmEngine:
         A stock engine (``binding=None``) repacks its linear weights for oneDNN and keeps no readable copy:
         those are counted in ``self.unchecked_weights`` instead of being checked; a HAL-bound engine keeps
         every weight as loaded, so everything is checked."""
-        trainer = dict(model.named_parameters())
+        trainer = _engine_view(model)
         rows = {name: p.shape[0] for name, p in trainer.items() if p.dim()}   # vLLM pads vocabulary rows to 64
         engine = self._one_worker("hal_weights_digest", rows=rows)
         problems, checked, self.unchecked_weights = [], {}, []

