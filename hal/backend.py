@@ -565,6 +565,19 @@ class Backend(abc.ABC):
         raise UnsupportedError(f"backend {self.name!r} does not realise vocab-parallel logprobs "
                                f"(logprob_combine); use one that does (`hal doctor`) or gather the logits")
 
+    def check_vocab_shard(self, op: str, logits: torch.Tensor, vocab_offset: int, temperature: float):
+        """The vocab-parallel pieces' checks (every backend's implementation runs them): a shard starts on a
+        [logprobs] vocab chunk. Returns the [logprobs] spec."""
+        if self.contract is None:
+            raise UnsupportedError(f"{self.name}.{op}: a baseline backend (no contract) has no vocab chunks to "
+                                   f"expose; use a contract backend")
+        chunk = self.contract.logprobs.vocab_chunk
+        if vocab_offset < 0 or vocab_offset % chunk:
+            raise UnsupportedError(f"{self.name}.{op}: vocab_offset {vocab_offset} is not a multiple of "
+                                   f"[logprobs].vocab_chunk = {chunk}; a vocab shard must start on a chunk boundary")
+        self.check_logits(logits, temperature, op)
+        return self.contract.logprobs
+
     def _gemm_spec(self, op: str):
         if self.contract is None:
             raise UnsupportedError(f"{self.name}.{op}: a baseline backend (no contract) has no K chunks to expose; "

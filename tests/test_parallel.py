@@ -270,16 +270,35 @@ def test_chunk_partials_combined_equal_linear_cuda_interpreted():
                             cuda.linear(x, w, out_dtype=torch.float32)), (dtype, m, n)
 
 
+def _vocab_combined(backend, logits, ids, n, t):
+    vs = logits.shape[1] // n
+    shards = [logits[:, r * vs:(r + 1) * vs] for r in range(n)]
+    row_max = torch.cat([backend.logprob_chunk_max(s, t, r * vs) for r, s in enumerate(shards)], -1).amax(-1)
+    sums = torch.cat([backend.logprob_chunk_sums(s, row_max, t, r * vs) for r, s in enumerate(shards)], -1)
+    return backend.logprob_combine(logits.gather(-1, ids.view(-1, 1)).squeeze(-1), row_max, sums, t)
+
+
 def test_vocab_chunk_stats_combined_equal_token_logprobs():
     logits, ids = logits_inputs()
     for t in (1.0, 0.7):
         for n in (1, 2, 4, 8):
-            vs = logits.shape[1] // n
-            shards = [logits[:, r * vs:(r + 1) * vs] for r in range(n)]
-            row_max = torch.cat([REF.logprob_chunk_max(s, t, r * vs) for r, s in enumerate(shards)], -1).amax(-1)
-            sums = torch.cat([REF.logprob_chunk_sums(s, row_max, t, r * vs) for r, s in enumerate(shards)], -1)
-            got = REF.logprob_combine(logits.gather(-1, ids.view(-1, 1)).squeeze(-1), row_max, sums, t)
-            assert same(got, REF.token_logprobs(logits, ids, t)), (t, n)
+            assert same(_vocab_combined(REF, logits, ids, n, t), REF.token_logprobs(logits, ids, t)), (t, n)
+
+
+def test_vocab_chunk_stats_combined_equal_token_logprobs_cuda_interpreted():
+    """The cuda backend's pieces (its chunk-max kernel, a chunk-sums kernel with token_logprobs' tile, sum
+    and warps, a combine kernel with its log) under Triton's interpreter, vocab_chunk 16 so that a
+    128-wide row has 8 chunks: every shard count gives token_logprobs' bits. Not a GPU run."""
+    cuda = backend_for_tests("cuda")
+    contract = dataclasses.replace(cuda.contract, logprobs=dataclasses.replace(cuda.contract.logprobs, vocab_chunk=16))
+    cuda = type(cuda)(contract, cuda.device)
+    logits, ids = logits_inputs()
+    for t in (1.0, 0.7):
+        want = cuda.token_logprobs(logits, ids, t)
+        for n in (1, 2, 4, 8):
+            assert same(_vocab_combined(cuda, logits, ids, n, t), want), (t, n)
+    with pytest.raises(UnsupportedError, match="vocab_offset 8 is not a multiple"):
+        cuda.logprob_chunk_max(logits[:, 8:24], 1.0, 8)
 
 
 # ---------------------------------------------------------------------------------------------

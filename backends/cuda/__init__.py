@@ -159,6 +159,21 @@ class CudaBackend(Backend):
         pos = positions.to(q.device).contiguous()
         return self._rows.rotary(pos, q, k, table)   # q and k in one launch, read through their strides
 
+    # Vocab-parallel pieces ([parallel]): the kernels of token_logprobs, cut where ranks exchange.
+    def logprob_chunk_max(self, logits, temperature=1.0, vocab_offset=0):
+        spec = self.check_vocab_shard("logprob_chunk_max", logits, vocab_offset, temperature)
+        self.check_devices("logprob_chunk_max", logits)
+        return self._logprobs.chunk_max(logits.contiguous(), float(temperature), spec)
+
+    def logprob_chunk_sums(self, logits, row_max, temperature=1.0, vocab_offset=0):
+        spec = self.check_vocab_shard("logprob_chunk_sums", logits, vocab_offset, temperature)
+        self.check_devices("logprob_chunk_sums", logits, row_max)
+        return self._logprobs.chunk_sums(logits.contiguous(), row_max.float(), float(temperature), spec)
+
+    def logprob_combine(self, token_logits, row_max, chunk_sums, temperature=1.0):
+        self.check_devices("logprob_combine", token_logits, row_max, chunk_sums)
+        return self._logprobs.combine(token_logits, row_max.float(), chunk_sums.float(), float(temperature))
+
     def log_softmax(self, logits, temperature=1.0):
         return self._logprobs.log_softmax(logits.contiguous(), float(temperature), self.contract.logprobs)
 

@@ -78,6 +78,72 @@ def _log_softmax_out_kernel(x_ptr, stats_ptr, out_ptr, vocab, stride_x, stride_o
     tl.store(out_ptr + row * stride_o + offs, (x - row_max) - log_sum, mask=mask)
 
 
+@triton.jit
+def _chunk_sums_kernel(x_ptr, row_max_ptr, sums_ptr, vocab, stride_x, num_chunks, temperature,
+                       T_IS_ONE: tl.constexpr, CHUNK: tl.constexpr):
+    """sums[row, c]: chunk c's sum of exp(x - M) for a given row max M: the same expression, tile and
+    ``tl.sum`` as ``_row_stats_kernel``'s loop body (so, launched with the same num_warps, the same bits)."""
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    offs = c * CHUNK + tl.arange(0, CHUNK)
+    mask = offs < vocab
+    x = _scaled(x_ptr + row * stride_x, offs, mask, T_IS_ONE, temperature)
+    row_max = tl.load(row_max_ptr + row)
+    tl.store(sums_ptr + row * num_chunks + c, tl.sum(tl.where(mask, tl.exp(x - row_max), 0.0), axis=0))
+
+
+@triton.jit
+def _combine_kernel(token_logit_ptr, row_max_ptr, sums_ptr, out_ptr, num_chunks, temperature,
+                    T_IS_ONE: tl.constexpr):
+    """The end of ``_row_stats_kernel`` from gathered pieces: S = +0 + the chunk sums in ascending order,
+    then (x_t - M) - log S with the same ``tl.log``."""
+    row = tl.program_id(0).to(tl.int64)
+    total = zero_scalar()
+    for c in range(0, num_chunks):
+        total = total + tl.load(sums_ptr + row * num_chunks + c)
+    row_max = tl.load(row_max_ptr + row)
+    x = tl.load(token_logit_ptr + row).to(tl.float32)
+    if not T_IS_ONE:
+        x = tl.div_rn(x, temperature)
+    tl.store(out_ptr + row, (x - row_max) - tl.log(total))
+
+
+def chunk_max(logits: torch.Tensor, temperature: float, spec: Logprobs, num_warps: int = 8) -> torch.Tensor:
+    """(M, C) fp32: each vocab chunk's max of logits / temperature (the first launch of ``_row_stats``)."""
+    rows, vocab = logits.shape
+    num_chunks = triton.cdiv(vocab, spec.vocab_chunk)
+    cmax = torch.empty((rows, num_chunks), device=logits.device, dtype=torch.float32)
+    if rows and num_chunks:
+        _chunk_max_kernel[(rows, num_chunks)](logits, cmax, vocab, logits.stride(0), num_chunks, temperature,
+                                              T_IS_ONE=temperature == 1.0, CHUNK=spec.vocab_chunk,
+                                              num_warps=num_warps, **LAUNCH)
+    return cmax
+
+
+def chunk_sums(logits: torch.Tensor, row_max: torch.Tensor, temperature: float, spec: Logprobs,
+               num_warps: int = 8) -> torch.Tensor:
+    """(M, C) fp32: each vocab chunk's sum of exp(fl32(x - row_max)), x = logits / temperature; the
+    num_warps of ``_row_stats`` (the 1-D ``tl.sum`` tree depends on it)."""
+    rows, vocab = logits.shape
+    num_chunks = triton.cdiv(vocab, spec.vocab_chunk)
+    sums = torch.empty((rows, num_chunks), device=logits.device, dtype=torch.float32)
+    if rows and num_chunks:
+        _chunk_sums_kernel[(rows, num_chunks)](logits, row_max.contiguous(), sums, vocab, logits.stride(0),
+                                               num_chunks, temperature, T_IS_ONE=temperature == 1.0,
+                                               CHUNK=spec.vocab_chunk, num_warps=num_warps, **LAUNCH)
+    return sums
+
+
+def combine(token_logits: torch.Tensor, row_max: torch.Tensor, sums: torch.Tensor, temperature: float) -> torch.Tensor:
+    """(M,) fp32 log-probabilities from each row's token logit, row max and (M, C) chunk sums in chunk order."""
+    rows = token_logits.shape[0]
+    out = torch.empty(rows, device=token_logits.device, dtype=torch.float32)
+    if rows:
+        _combine_kernel[(rows,)](token_logits.contiguous(), row_max.contiguous(), sums.contiguous(), out,
+                                 sums.shape[1], temperature, T_IS_ONE=temperature == 1.0, num_warps=1, **LAUNCH)
+    return out
+
+
 def _row_stats(logits: torch.Tensor, temperature: float, chunk: int, token_ids: torch.Tensor | None = None,
                out: torch.Tensor | None = None, num_warps: int = 8) -> torch.Tensor:
     rows, vocab = logits.shape

@@ -145,12 +145,7 @@ class ReferenceBackend(Backend):
     # -- vocab-parallel pieces of token_logprobs ([parallel], hal/parallel.py) -------------------
 
     def _vocab_chunks(self, op, logits, vocab_offset, temperature):
-        chunk = self.contract.logprobs.vocab_chunk
-        if vocab_offset < 0 or vocab_offset % chunk:
-            raise UnsupportedError(f"reference.{op}: vocab_offset {vocab_offset} is not a multiple of "
-                                   f"[logprobs].vocab_chunk = {chunk}; a vocab shard must start on a chunk boundary")
-        self.check_logits(logits, temperature, op)
-        return self.contract.logprobs.chunk_ranges(logits.shape[-1])
+        return self.check_vocab_shard(op, logits, vocab_offset, temperature).chunk_ranges(logits.shape[-1])
 
     def _scaled(self, logits, temperature):
         x = logits.float()
