@@ -245,6 +245,67 @@ def test_fp8_scale_loader_places_parts_by_block_rows_and_refuses_a_part_inside_a
     with pytest.raises(UnsupportedError, match="part 'v' of an FP8 merged linear starts at weight row 192"):
         qkv(grid, torch.ones(1, 2), "v")
 
+def spec_requests(vocab: int) -> list[Request]:
+    """Prompts of a repeating pattern (prompt-lookup drafts find continuations), half greedy, half sampled."""
+    pattern = [5, 9, 2, 7, 11, 3]
+    return [Request(prompt=tuple((pattern * 10)[i:i + n]), max_new_tokens=NEW_TOKENS, seed=i,
+                    temperature=0.0 if i % 2 else 1.0) for i, n in enumerate(PROMPT_LENGTHS)]
+
+
+def speculating_engine(path: Path) -> VllmEngine:
+    """In its own engine-core process (forked: it inherits this process's patches): vLLM's n-gram drafter
+    compiles with numba there, and after numba has loaded llvmlite, vLLM 0.32's kernel dispatcher fails
+    when it scans the modules of the next engine built in that process (``vars()`` of llvmlite's lazy
+    library wrapper)."""
+    return VllmEngine(path, binding=binding_for("llama"), dtype="bfloat16", max_num_seqs=len(PROMPT_LENGTHS),
+                      speculative_tokens=4, multiprocess=True)
+
+
+def test_speculative_decoding_gives_plain_decodings_tokens_and_bits(engines):
+    """vLLM's n-gram speculative decoding (4 drafts per step) in a HAL-bound engine: each draft is accepted
+    iff it equals the token the HAL sampler draws at its position (``hal.vllm.sampler._hal_verify``), so
+    the tokens and every logprob bit equal plain decoding's, and the trainer's; drafts were accepted (the
+    verified chunks did produce several tokens per step)."""
+    engine, model = engines.get("llama", "bfloat16")
+    requests = spec_requests(model.config.vocab_size)
+    plain = engine.generate(requests)
+    engines.close()
+    path = save_pretrained(model, WORKSPACE / "llama-spec")    # the model's weights now (a sync may have moved them)
+    spec = speculating_engine(path)
+    try:
+        fast = spec.generate(requests)
+        stats = spec.spec_decode_stats()
+    finally:
+        spec.close()
+    assert [c.tokens for c in fast] == [c.tokens for c in plain]
+    assert mismatches([c.logprobs for c in fast], [c.logprobs for c in plain]) == (0, len(PROMPT_LENGTHS) * NEW_TOKENS)
+    sampled, _ = trainer_logprobs(model, fast)
+    assert mismatches([c.logprobs for c in fast], sampled) == (0, len(PROMPT_LENGTHS) * NEW_TOKENS)
+    assert stats["draft_tokens"] > 0 and stats["accepted_tokens"] > 0, stats
+
+
+def test_negative_control_rejection_sampling_keeps_only_the_distribution(engines, monkeypatch):
+    """The same HAL-bound speculating engine with vLLM's own rejection sampler (the standard algorithm:
+    lossless in distribution, with its own randomness) instead of the HAL's verification: sampled requests
+    then get other tokens than plain decoding."""
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+
+    from hal.vllm import sampler as hal_sampler
+
+    engine, model = engines.get("llama", "bfloat16")
+    requests = spec_requests(model.config.vocab_size)
+    plain = engine.generate(requests)
+    engines.close()
+    path = save_pretrained(model, WORKSPACE / "llama-spec")    # the model's weights now (a sync may have moved them)
+    monkeypatch.setattr(RejectionSampler, "__init__", hal_sampler._stock_rejection_init)
+    spec = speculating_engine(path)
+    try:
+        stock = spec.generate(requests)
+    finally:
+        spec.close()
+    differ = [a.tokens != b.tokens for a, b, r in zip(stock, plain, requests) if r.temperature > 0]
+    assert any(differ), "vLLM's rejection sampler reproduced the HAL sampler's tokens"
+
 def test_stock_vllm_differs_from_trainer(engines):
     """Negative control: the same checkpoint and requests through vLLM's own kernels."""
     engine, model = engines.get("llama", "bfloat16", hal=False)

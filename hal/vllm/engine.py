@@ -91,13 +91,17 @@ class VllmEngine:
     placeholder per in-flight token): measured on the H200 (bench/results/h200-2026-12-01-session5),
     0/65536 sampled and 0/4766 prompt logprobs differing from the trainer, 0.94x stock's throughput
     (0.60x without it). Stock engines keep vLLM's default.
+    ``speculative_tokens=k``: vLLM's n-gram (prompt-lookup) speculative decoding with up to k drafts per
+    step; a HAL-bound engine verifies them so that tokens and logprobs are plain decoding's
+    (``hal.vllm.sampler._hal_verify``; ``spec_decode_stats()`` counts drafts and accepted tokens), a
+    stock engine with vLLM's rejection sampler.
     """
 
     def __init__(self, model_dir: str | os.PathLike, *, binding: EngineBinding | None, dtype: str,
                  max_model_len: int = 512, max_num_seqs: int = 16, max_num_batched_tokens: int = 512,
                  seed: int = 0, multiprocess: bool = False, enforce_eager: bool = True,
                  gpu_memory_utilization: float | None = None, block_size: int | None = None,
-                 async_scheduling: bool | None = None):
+                 async_scheduling: bool | None = None, speculative_tokens: int = 0):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
         from vllm import LLM
 
@@ -110,6 +114,11 @@ class VllmEngine:
         kwargs = {} if gpu_memory_utilization is None else {"gpu_memory_utilization": gpu_memory_utilization}
         if block_size is not None:
             kwargs["block_size"] = block_size
+        if speculative_tokens < 0:
+            raise UnsupportedError(f"vLLM engine: speculative_tokens must be >= 0, got {speculative_tokens}")
+        if speculative_tokens:
+            kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": speculative_tokens,
+                                            "prompt_lookup_min": 1, "prompt_lookup_max": 4}
         if binding is not None:
             options = {"quant_method": QUANT_METHOD, "backend": binding.backend,
                        **({"contract": binding.contract} if binding.contract else {})}
@@ -159,6 +168,15 @@ class VllmEngine:
                            f"{[b.describe() for b in found]}, modules without a HAL route: {unrouted[:8]}, "
                            f"modules that made no HAL call in a probe forward: {silent[:8]}")
         return found.pop()
+
+    def spec_decode_stats(self) -> dict:
+        """{"draft_tokens", "accepted_tokens"}: the HAL verification's counts since the engine started
+        (summed over workers; empty for an engine that does not speculate or is not HAL-bound)."""
+        total: dict = {}
+        for stats in self.llm.collective_rpc("hal_spec_decode_stats"):
+            for key, value in stats.items():
+                total[key] = total.get(key, 0) + value
+        return total
 
     def worker_pids(self) -> list[int]:
         """Process ids of the engine's workers (this process's id when the engine runs in-process)."""

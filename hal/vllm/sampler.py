@@ -17,12 +17,15 @@ each batch row's seed, prompt length and output tokens for the sampler.
 from __future__ import annotations
 
 import secrets
+import types
 
 import torch
 
 from vllm.v1.sample import logits_processor as vllm_logits_processor
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates
+from vllm.v1.outputs import SamplerOutput
+from vllm.v1.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler
 from vllm.v1.sample.sampler import Sampler
 
 from hal.errors import HalError, UnsupportedError
@@ -83,34 +86,128 @@ class HalSamplingState(LogitsProcessor):
         return int(seed), len(prompt_tok_ids), output_tok_ids, float(params.temperature)
 
 
-def _hal_sample(logits: torch.Tensor, sampling_metadata, logprobs_mode_override=None):
-    """``Sampler.sample`` of a HAL-bound engine: ``hal.rollout.sampler.sample_tokens`` (on the logits'
-    device), at the position prompt length + tokens generated so far (the harness's position)."""
+def _sampling_rows(sampling_metadata, n: int):
+    """Each of the ``n`` batch rows' (seed, prompt length, output tokens, temperature) from the engine's
+    ``HalSamplingState``; None while vLLM warms its sampler up (no request exists yet: any token will do)."""
     processors = list(sampling_metadata.logitsprocs.all)
     if not processors:
         # vLLM's sampler warm-up (_dummy_sampler_run, in compiled / CUDA-graph engines) passes an empty
         # LogitsProcessors(); a real batch always carries the built-in processors, HalSamplingState
-        # among them. No request exists yet: any token will do.
-        return logits.argmax(dim=-1), None
+        # among them.
+        return None
     state = next((p for p in processors if isinstance(p, HalSamplingState)), None)
     if state is None or not state.active:
         raise HalError("hal vLLM plugin: the HAL sampler found no active HalSamplingState among the engine's "
                        "logits processors (was the plugin installed before the engine was built?)")
-    n = logits.shape[0]
     missing = [i for i in range(n) if i not in state.rows]
     if missing:
         if sampling_metadata.max_num_logprobs is None and not state.rows:
-            # vLLM's sampler warm-up (no requests exist yet): any token will do
-            return logits.argmax(dim=-1), None
+            return None
         raise HalError(f"hal vLLM plugin: the HAL sampler has no seed for batch rows {missing[:8]}")
-    rows = [state.rows[i] for i in range(n)]
+    return [state.rows[i] for i in range(n)]
+
+
+def _hal_sample(logits: torch.Tensor, sampling_metadata, logprobs_mode_override=None):
+    """``Sampler.sample`` of a HAL-bound engine: ``hal.rollout.sampler.sample_tokens`` (on the logits'
+    device), at the position prompt length + tokens generated so far (the harness's position)."""
+    rows = _sampling_rows(sampling_metadata, logits.shape[0])
+    if rows is None:
+        return logits.argmax(dim=-1), None
     tokens = sample_tokens(logits, [r[0] for r in rows], [r[1] + len(r[2]) for r in rows], [r[3] for r in rows])
     return tokens.to(logits.device), None
 
 
+# -- speculative decoding -----------------------------------------------------------------------
+
+_stock_rejection_init = RejectionSampler.__init__
+
+
+def _rejection_init(self, *args, **kwargs):
+    """A HAL-bound engine verifies drafts with ``_hal_verify`` instead of rejection sampling."""
+    _stock_rejection_init(self, *args, **kwargs)
+    if quant.bound_config() is not None:
+        self.forward = types.MethodType(_hal_verify, self)
+        self.hal_stats = {"draft_tokens": 0, "accepted_tokens": 0}
+
+
+def _hal_verify(self, metadata, draft_probs, logits: torch.Tensor, sampling_metadata):
+    """Speculative decoding with plain decoding's tokens and bits (issue #24). Request i brought d_i draft
+    tokens; its d_i + 1 logits rows are the target model's distributions at positions P_i .. P_i + d_i
+    (P_i = prompt length + tokens generated so far). At each of them the HAL sampler draws the token plain
+    decoding would draw there (Gumbel-max keyed by the request's seed and that position); the output is
+    those tokens up to and including the first that differs from its draft (all d_i + 1 if every draft
+    matches). A draft is accepted iff it equals that token, so the tokens are exactly plain decoding's, and
+    each token's logprob is the backend's log_softmax of the same row of logits (row-wise: the same bits
+    as computed alone). Standard rejection sampling would keep only the distribution. The drafts' own
+    probabilities (draft models) are not needed."""
+    num_drafts = list(metadata.num_draft_tokens)
+    rows = _sampling_rows(sampling_metadata, len(num_drafts))
+    # logits rows in (request, position) order: request i's targets, then its bonus row
+    index, seeds, positions, temperatures = [], [], [], []
+    targets = metadata.target_logits_indices.tolist()
+    bonus = metadata.bonus_logits_indices.tolist()
+    start = 0
+    for i, d in enumerate(num_drafts):
+        index += targets[start:start + d] + [bonus[i]]
+        start += d
+        if rows is not None:
+            seed, prompt_len, output, temperature = rows[i]
+            seeds += [seed] * (d + 1)
+            positions += [prompt_len + len(output) + j for j in range(d + 1)]
+            temperatures += [temperature] * (d + 1)
+    chosen = logits[torch.tensor(index, device=logits.device)].to(torch.float32)
+    if rows is None:            # vLLM's warm-up: no request exists yet
+        drawn = chosen.argmax(dim=-1).tolist()
+    else:
+        drawn = sample_tokens(chosen, seeds, positions, temperatures).tolist()
+    drafts = metadata.draft_token_ids.tolist()
+    placeholder = int(getattr(PLACEHOLDER_TOKEN_ID, "value", PLACEHOLDER_TOKEN_ID))   # a tl.constexpr on GPUs
+    out = torch.full((len(num_drafts), metadata.max_spec_len + 1), placeholder, dtype=torch.int32)
+    at = start = 0
+    for i, d in enumerate(num_drafts):
+        for j in range(d + 1):
+            out[i, j] = drawn[at + j]
+            if j < d and drawn[at + j] != drafts[start + j]:
+                break
+            if j < d:
+                self.hal_stats["accepted_tokens"] += 1
+        self.hal_stats["draft_tokens"] += d
+        at += d + 1
+        start += d
+    out = out.to(logits.device)
+    logprobs = None
+    if sampling_metadata.max_num_logprobs is not None:
+        # vLLM's own assembly of the per-token rows, over the raw (fp32) logits; its compute_logprobs is
+        # the backend's log_softmax in a HAL-bound engine (``_sampler_init``)
+        raw = logits.to(torch.float32)
+        logprobs = self._get_logprobs_tensors(sampling_metadata.max_num_logprobs, metadata, logits,
+                                              raw[metadata.target_logits_indices],
+                                              raw[metadata.bonus_logits_indices], out)
+    return SamplerOutput(sampled_token_ids=out, logprobs_tensors=logprobs)
+
+
+_stock_build_logitsprocs = vllm_logits_processor.build_logitsprocs
+
+
+def _build_logitsprocs(vllm_config, device, is_pin_memory, is_pooling_model, *args, **kwargs):
+    """vLLM builds no built-in logits processors for a speculating engine (only min-tokens); a HAL-bound
+    one still needs ``HalSamplingState`` (its rows' seeds and positions), which changes no logits."""
+    built = _stock_build_logitsprocs(vllm_config, device, is_pin_memory, is_pooling_model, *args, **kwargs)
+    hal_bound = isinstance(getattr(vllm_config, "quant_config", None), quant.HalConfig)
+    if hal_bound and vllm_config.speculative_config and not any(isinstance(p, HalSamplingState) for p in built.all):
+        built = vllm_logits_processor.LogitsProcessors(
+            list(built.all) + [HalSamplingState(vllm_config, device, is_pin_memory)])
+    return built
+
+
 def install() -> None:
-    """Patch ``Sampler.__init__`` (routes per engine at construction) and add ``HalSamplingState`` to
-    vLLM's built-in logits processors."""
+    """Patch ``Sampler.__init__`` and ``RejectionSampler.__init__`` (each routes per engine at
+    construction) and add ``HalSamplingState`` to vLLM's built-in logits processors (and to a speculating
+    engine's, which has none of the built-in ones)."""
+    from vllm.v1.worker import gpu_model_runner   # the CPU model runner is a subclass: the same name
+
     Sampler.__init__ = _sampler_init
+    RejectionSampler.__init__ = _rejection_init
+    gpu_model_runner.build_logitsprocs = _build_logitsprocs
     if HalSamplingState not in vllm_logits_processor.BUILTIN_LOGITS_PROCESSORS:
         vllm_logits_processor.BUILTIN_LOGITS_PROCESSORS.append(HalSamplingState)

@@ -73,6 +73,12 @@ class HalWorkerExtension:
             loaded = self._hal_model().load_weights(weights)
         return len(loaded or ())
 
+    def hal_spec_decode_stats(self) -> dict:
+        """{"draft_tokens", "accepted_tokens"} verified so far by the HAL's draft verification (empty when the
+        engine does not speculate)."""
+        sampler = getattr(self.model_runner, "rejection_sampler", None)
+        return dict(getattr(sampler, "hal_stats", {}))
+
     def hal_weight_pointers(self) -> dict:
         """{parameter name (the trainer's, ``trainer_name``): data_ptr}: where each weight lives (a sync
         must not move it)."""
