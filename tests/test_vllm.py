@@ -79,11 +79,16 @@ class Engines:
     def __init__(self):
         self.key, self.engine, self.models = None, None, {}
 
-    def get(self, architecture: str, dtype: str, *, hal: bool = True, multiprocess: bool = False):
+    def model(self, architecture: str, dtype: str) -> DecoderLM:
+        """The configuration's trainer model (made and saved on first use; other tests may move its weights)."""
         if (architecture, dtype) not in self.models:
             model = tiny_model(architecture, dtype)
             path = save_pretrained(model, WORKSPACE / f"{architecture}-{dtype}")
             self.models[architecture, dtype] = (model, path)
+        return self.models[architecture, dtype][0]
+
+    def get(self, architecture: str, dtype: str, *, hal: bool = True, multiprocess: bool = False):
+        self.model(architecture, dtype)
         model, path = self.models[architecture, dtype]
         key = (architecture, dtype, hal, multiprocess)
         if key != self.key:
@@ -252,6 +257,17 @@ def spec_requests(vocab: int) -> list[Request]:
                     temperature=0.0 if i % 2 else 1.0) for i, n in enumerate(PROMPT_LENGTHS)]
 
 
+def plain_run(engines, path: Path, requests):
+    """Plain decoding of ``requests`` by a HAL-bound engine on the checkpoint at ``path`` (the pool's engine
+    may hold an older checkpoint of the model: another test syncs weights into it)."""
+    engines.close()
+    engine = VllmEngine(path, binding=binding_for("llama"), dtype="bfloat16", max_num_seqs=len(PROMPT_LENGTHS))
+    try:
+        return engine.generate(requests)
+    finally:
+        engine.close()
+
+
 def speculating_engine(path: Path) -> VllmEngine:
     """In its own engine-core process (forked: it inherits this process's patches): vLLM's n-gram drafter
     compiles with numba there, and after numba has loaded llvmlite, vLLM 0.32's kernel dispatcher fails
@@ -266,11 +282,9 @@ def test_speculative_decoding_gives_plain_decodings_tokens_and_bits(engines):
     iff it equals the token the HAL sampler draws at its position (``hal.vllm.sampler._hal_verify``), so
     the tokens and every logprob bit equal plain decoding's, and the trainer's; drafts were accepted (the
     verified chunks did produce several tokens per step)."""
-    engine, model = engines.get("llama", "bfloat16")
-    requests = spec_requests(model.config.vocab_size)
-    plain = engine.generate(requests)
-    engines.close()
-    path = save_pretrained(model, WORKSPACE / "llama-spec")    # the model's weights now (a sync may have moved them)
+    model = engines.model("llama", "bfloat16")
+    path, requests = save_pretrained(model, WORKSPACE / "llama-spec"), spec_requests(model.config.vocab_size)
+    plain = plain_run(engines, path, requests)
     spec = speculating_engine(path)
     try:
         fast = spec.generate(requests)
@@ -284,26 +298,42 @@ def test_speculative_decoding_gives_plain_decodings_tokens_and_bits(engines):
     assert stats["draft_tokens"] > 0 and stats["accepted_tokens"] > 0, stats
 
 
-def test_negative_control_rejection_sampling_keeps_only_the_distribution(engines, monkeypatch):
+_STOCK_VERIFY_SCRIPT = """
+import json, sys
+from vllm.v1.sample.rejection_sampler import RejectionSampler
+from hal.rollout.harness import Request
+from hal.vllm import sampler
+from hal.vllm.binding import resolve_binding
+from hal.vllm.engine import VllmEngine
+sampler._hal_verify = RejectionSampler.forward     # the planted change: vLLM's own rejection sampling
+path, requests = sys.argv[1], [Request(tuple(p), n, seed=s, temperature=t) for p, n, s, t in json.loads(sys.argv[2])]
+engine = VllmEngine(path, binding=resolve_binding({"backend": "reference"}), dtype="bfloat16",
+                    max_num_seqs=len(requests), speculative_tokens=4)
+print("TOKENS", json.dumps([c.tokens for c in engine.generate(requests)]))
+print("STATS", json.dumps(engine.spec_decode_stats()))
+"""
+
+
+def test_negative_control_rejection_sampling_keeps_only_the_distribution(engines):
     """The same HAL-bound speculating engine with vLLM's own rejection sampler (the standard algorithm:
-    lossless in distribution, with its own randomness) instead of the HAL's verification: sampled requests
-    then get other tokens than plain decoding."""
-    from vllm.v1.sample.rejection_sampler import RejectionSampler
+    lossless in distribution, with its own randomness) in place of the HAL's verification: sampled
+    requests then get other tokens than plain decoding. In a fresh process (the planted change must reach
+    the engine core, and a speculating in-process engine must be the process's last one)."""
+    import json
+    import subprocess
+    import sys
 
-    from hal.vllm import sampler as hal_sampler
-
-    engine, model = engines.get("llama", "bfloat16")
-    requests = spec_requests(model.config.vocab_size)
-    plain = engine.generate(requests)
-    engines.close()
-    path = save_pretrained(model, WORKSPACE / "llama-spec")    # the model's weights now (a sync may have moved them)
-    monkeypatch.setattr(RejectionSampler, "__init__", hal_sampler._stock_rejection_init)
-    spec = speculating_engine(path)
-    try:
-        stock = spec.generate(requests)
-    finally:
-        spec.close()
-    differ = [a.tokens != b.tokens for a, b, r in zip(stock, plain, requests) if r.temperature > 0]
+    model = engines.model("llama", "bfloat16")
+    path, requests = save_pretrained(model, WORKSPACE / "llama-spec"), spec_requests(model.config.vocab_size)
+    plain = plain_run(engines, path, requests)
+    wire = json.dumps([[list(r.prompt), r.max_new_tokens, r.seed, r.temperature] for r in requests])
+    done = subprocess.run([sys.executable, "-c", _STOCK_VERIFY_SCRIPT, str(path), wire], capture_output=True,
+                          text=True, timeout=600)
+    lines = {line.split(" ", 1)[0]: json.loads(line.split(" ", 1)[1]) for line in done.stdout.splitlines()
+             if line.startswith(("TOKENS ", "STATS "))}
+    assert "TOKENS" in lines, done.stderr[-3000:]
+    assert lines["STATS"] == {"draft_tokens": 0, "accepted_tokens": 0}, "the HAL verification ran"
+    differ = [got != c.tokens for got, c, r in zip(lines["TOKENS"], plain, requests) if r.temperature > 0]
     assert any(differ), "vLLM's rejection sampler reproduced the HAL sampler's tokens"
 
 def test_stock_vllm_differs_from_trainer(engines):

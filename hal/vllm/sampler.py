@@ -17,6 +17,7 @@ each batch row's seed, prompt length and output tokens for the sampler.
 from __future__ import annotations
 
 import secrets
+import sys
 import types
 
 import torch
@@ -48,6 +49,16 @@ def _sampler_init(self, *args, **kwargs):
                                    f"reports raw_logprobs (the trainer's) only")
         self.compute_logprobs = lambda logits: config.backend().log_softmax(logits.float())
         self.sample = _hal_sample
+        _route_runner_logitsprocs()
+
+
+def _route_runner_logitsprocs() -> None:
+    """The model runner that builds this sampler builds its logits processors later in its constructor,
+    through the name it imported: point that name at ``_build_logitsprocs`` (here, not at plugin load,
+    which would import the model runner in every process)."""
+    runner = sys.modules.get("vllm.v1.worker.gpu_model_runner")
+    if runner is not None and getattr(runner, "build_logitsprocs", None) is not _build_logitsprocs:
+        runner.build_logitsprocs = _build_logitsprocs
 
 
 class HalSamplingState(LogitsProcessor):
@@ -202,12 +213,10 @@ def _build_logitsprocs(vllm_config, device, is_pin_memory, is_pooling_model, *ar
 
 def install() -> None:
     """Patch ``Sampler.__init__`` and ``RejectionSampler.__init__`` (each routes per engine at
-    construction) and add ``HalSamplingState`` to vLLM's built-in logits processors (and to a speculating
-    engine's, which has none of the built-in ones)."""
-    from vllm.v1.worker import gpu_model_runner   # the CPU model runner is a subclass: the same name
-
+    construction) and add ``HalSamplingState`` to vLLM's built-in logits processors (a speculating
+    engine's, which has none of the built-in ones, gets it through ``_build_logitsprocs``)."""
     Sampler.__init__ = _sampler_init
     RejectionSampler.__init__ = _rejection_init
-    gpu_model_runner.build_logitsprocs = _build_logitsprocs
+    vllm_logits_processor.build_logitsprocs = _build_logitsprocs
     if HalSamplingState not in vllm_logits_processor.BUILTIN_LOGITS_PROCESSORS:
         vllm_logits_processor.BUILTIN_LOGITS_PROCESSORS.append(HalSamplingState)
