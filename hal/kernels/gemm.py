@@ -215,7 +215,7 @@ def chunk_partials(x: torch.Tensor, weight: torch.Tensor, spec: Gemm, config: di
     m, k = x.shape
     n = weight.shape[0]
     chunks = spec.chunk_count(k)
-    partial = torch.zeros((chunks, m, n), device=x.device, dtype=torch.float32)
+    partial = torch.empty((chunks, m, n), device=x.device, dtype=torch.float32)   # every element is stored
     if m == 0 or n == 0 or k == 0:
         return partial
     tma_ok = not INTERPRET and _tma_ok(x) and _tma_ok(weight)
