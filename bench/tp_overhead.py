@@ -23,31 +23,16 @@ import argparse
 import json
 import os
 import sys
-from importlib import resources
 
 import torch
 import torch.distributed as dist
 import triton
 
 from hal.api import create_backend
-from hal.contract import parse_contract
-from hal.parallel import TensorParallel, row_parallel_linear
+from hal.parallel import TensorParallel, contract_with_parallel, row_parallel_linear
 
-PARALLEL_TOML = """
-[parallel]
-shards = "whole_chunks"
-row_parallel = "gather_chunk_partials_ascending"
-vocab_parallel = "gather_chunk_max_then_chunk_sums"
-embedding = "owner_row_copy"
-column_parallel = "local"
-"""
 SHAPES = {"o_proj": (4096, 4096), "down_proj": (4096, 12288)}   # (N, K) of an 8B-shaped model
 MS = (1, 16, 256, 2048, 8192)
-
-
-def contract_with_parallel():
-    text = resources.files("hal.contracts").joinpath("bf16-dense-v1.toml").read_text()
-    return parse_contract(text + PARALLEL_TOML, source="bf16-dense-v1 + [parallel] (bench/tp_overhead.py)")
 
 
 def device_us(fn) -> float:
@@ -70,7 +55,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("MASTER_PORT", "29531")
     dist.init_process_group("nccl", rank=0, world_size=1)
     tp = TensorParallel.current()
-    backend = create_backend("cuda", contract_with_parallel())
+    backend = create_backend("cuda", contract_with_parallel(source="bf16-dense-v1 + [parallel] (bench/tp_overhead.py)"))
     k_chunk = backend.contract.gemm.k_chunk
     g = torch.Generator(device="cuda").manual_seed(0)
     rows, failures = [], []

@@ -21,6 +21,7 @@ Every rank must make the same calls in the same order (SPMD), as with any collec
 from __future__ import annotations
 
 from dataclasses import dataclass
+from importlib import resources
 from typing import Any
 
 import torch
@@ -28,7 +29,26 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from hal.backend import Backend
+from hal.contract import parse_contract
 from hal.errors import UnsupportedError
+
+#: The [parallel] section with the rules this module realises. No shipped contract carries it yet (a
+#: version of bf16-dense-v1 with it, or a new contract, is still to decide: docs/parallel.md);
+#: ``contract_with_parallel`` appends it to a shipped contract's text.
+PARALLEL_SECTION = """
+[parallel]
+shards = "whole_chunks"
+row_parallel = "gather_chunk_partials_ascending"
+vocab_parallel = "gather_chunk_max_then_chunk_sums"
+embedding = "owner_row_copy"
+column_parallel = "local"
+"""
+
+
+def contract_with_parallel(name: str = "bf16-dense-v1", *, source: str | None = None):
+    """The shipped contract ``name`` with ``PARALLEL_SECTION`` appended (its own fingerprint)."""
+    text = resources.files("hal.contracts").joinpath(f"{name}.toml").read_text()
+    return parse_contract(text + PARALLEL_SECTION, source=source or f"{name} + [parallel]")
 
 
 @dataclass(frozen=True)

@@ -35,16 +35,9 @@ from hal.model.parallel import ParallelDecoderLM, shard_config
 from hal.parallel import TensorParallel
 from hal.rollout import HarnessConfig, Request, RolloutHarness, recompute_logprobs
 
-PARALLEL_TOML = """
-[parallel]
-shards = "whole_chunks"
-row_parallel = "gather_chunk_partials_ascending"
-vocab_parallel = "gather_chunk_max_then_chunk_sums"
-embedding = "owner_row_copy"
-column_parallel = "local"
-"""
+PARALLEL_TOML = parallel.PARALLEL_SECTION
 DENSE_TEXT = resources.files("hal.contracts").joinpath("bf16-dense-v1.toml").read_text()
-_parsed = parse_contract(DENSE_TEXT + PARALLEL_TOML, source="bf16-dense-v1 + [parallel] (tests)")
+_parsed = parallel.contract_with_parallel("bf16-dense-v1", source="bf16-dense-v1 + [parallel] (tests)")
 # Small chunks so that a tiny model's shards hold several of them at TP = 2 and whole ones at TP = 4.
 CONTRACT = dataclasses.replace(_parsed, gemm=dataclasses.replace(_parsed.gemm, k_chunk=16),
                                logprobs=dataclasses.replace(_parsed.logprobs, vocab_chunk=16))
