@@ -8,7 +8,9 @@ steps, draft acceptance and the prompt tokens read from the cache instead of com
 (``--temperature 0``) loop and accept drafts often; sampled ones (T = 1) on a random model rarely.
 
     python3 bench/harness_rollout.py --json out.json                       # reference backend, CPU
-    python3 bench/harness_rollout.py --backend cuda --temperature 1 --json out.json   # on a GPU
+    python3 bench/harness_rollout.py --backend cuda --model 0.6b --json out.json        # on a GPU
+``--model 0.6b``: a random Qwen3-0.6B-shaped model (hidden 1024, 28 layers, 16/8 heads of 128, vocab
+151936), for a GPU; the default ``tiny`` one (hidden 128, 2 layers, vocab 256) suits the CPU.
 """
 
 from __future__ import annotations
@@ -43,18 +45,26 @@ def main(argv=None) -> int:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--drafts", type=int, default=4)
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--model", choices=["tiny", "0.6b"], default="tiny")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     backend = create_backend(args.backend)
     dtype = "bfloat16" if args.backend == "cuda" else "float32"
-    config = tiny_config("llama", dtype, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=64,
-                         vocab_size=256, num_layers=2)
-    model = DecoderLM.random(config, seed=3, backend=backend)
+    if args.model == "0.6b":
+        config = tiny_config("qwen3", dtype, hidden_size=1024, num_layers=28, num_heads=16, num_kv_heads=8,
+                             head_dim=128, intermediate_size=3072, vocab_size=151936, max_position=1024)
+    else:
+        config = tiny_config("llama", dtype, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=64,
+                             vocab_size=256, num_layers=2)
+    model = DecoderLM.random(config, seed=3, backend=backend, device=backend.device)
     reqs = requests(args.prompts, args.group, args.new_tokens, args.temperature, config.vocab_size)
     base = dict(page_size=16, max_num_seqs=args.prompts * args.group, max_batch_tokens=1024, seed=0)
     variants = {"plain": {}, "speculative": dict(speculative_tokens=args.drafts),
                 "prefix caching": dict(prefix_caching=True),
                 "both": dict(speculative_tokens=args.drafts, prefix_caching=True)}
+    print(f"{args.backend} backend on {backend.device}, {args.model} model ({config.num_layers} layers, hidden "
+          f"{config.hidden_size}, vocab {config.vocab_size}), {len(reqs)} requests x {args.new_tokens} new tokens, "
+          f"T = {args.temperature}, {args.drafts} drafts", flush=True)
     rows, reference = [], None
     for name, extra in variants.items():
         harness = RolloutHarness(model, HarnessConfig(**base, **extra))

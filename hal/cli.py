@@ -153,7 +153,8 @@ def _conformance(args: argparse.Namespace) -> int:
             "--hal-depth", depth]
     for option, value in (("--hal-contract", args.contract), ("--hal-json", args.json),
                           ("--hal-max-examples", args.max_examples), ("--hal-level", args.level),
-                          ("--hal-op", args.op), ("--hal-shard", args.shard), ("--hal-resume", args.resume)):
+                          ("--hal-op", args.op), ("--hal-shard", args.shard), ("--hal-resume", args.resume),
+                          ("--hal-parts", args.parts)):
         if value:
             argv += [option, str(value)]
     return int(pytest.main(argv + list(args.pytest_args)))
@@ -247,6 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--op", help="only these ops, comma-separated (e.g. linear,attention)")
     p.add_argument("--shard", help="I/N: run the I-th of N deterministic slices of the selected tests (I = 1..N)")
     p.add_argument("--resume", help="a report of an earlier run: skip the tests it records and append to it")
+    p.add_argument("--parts", type=int, help="run each slow test's examples (phase consistency) in this many parts, "
+                                             "separate test ids that --shard spreads (default: 10 at --full, else 1)")
     p.add_argument("-o", "--output", help="merge: where to write the merged report (`hal conformance merge A.json "
                                           "B.json -o FULL.json`)")
     p.add_argument("pytest_args", nargs="*", help="extra pytest arguments after --, e.g. -- -k linear -x")

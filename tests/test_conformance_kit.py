@@ -249,3 +249,40 @@ def test_an_unknown_backend_is_one_clear_line():
         "hal: error: backend 'nonexistent' is not installed; installed backends: " + out.stderr.split(
             "installed backends: ")[1].strip()]
     assert "reference" in out.stderr
+
+
+def test_parts_draw_different_examples_and_the_same_ones_on_every_run():
+    """--hal-parts at a derandomised depth: each part draws its own examples (a part seeded by its index),
+    the same on every run. Negative control: the share of examples without the per-part seed draws the
+    same examples in every part (what derandomisation alone would do)."""
+    from hypothesis import Phase, given, settings
+    from hypothesis import strategies as st
+
+    from hal.conformance.plugin import part_settings
+
+    def draws(decorator):
+        drawn = []
+
+        @decorator
+        @given(st.integers(0, 10 ** 9))
+        def check(value):
+            drawn.append(value)
+        check()
+        return drawn
+
+    try:
+        saved = settings.get_profile("hal-conformance")
+    except Exception:
+        saved = None
+    settings.register_profile("hal-conformance", max_examples=6, derandomize=True, database=None,
+                              phases=[Phase.generate])
+    try:
+        parts = [draws(part_settings((i, 3))) for i in range(3)]
+        assert [len(p) for p in parts] == [2, 2, 2]
+        assert parts == [draws(part_settings((i, 3))) for i in range(3)]
+        assert len({tuple(p) for p in parts}) == 3, parts
+        share = settings(settings.get_profile("hal-conformance"), max_examples=2)
+        assert draws(share) == draws(share)
+    finally:
+        if saved is not None:
+            settings.register_profile("hal-conformance", saved)

@@ -39,6 +39,9 @@ def pytest_addoption(parser):
     group.addoption("--hal-shard", default=None, help="I/N: run the I-th of N deterministic slices (I = 1..N)")
     group.addoption("--hal-resume", default=None,
                     help="a report of an earlier run: skip the tests it records and append to it")
+    group.addoption("--hal-parts", type=int, default=None,
+                    help="run the examples of each test that takes parts (phase consistency) in this many parts, "
+                         "each its own test id, so that --hal-shard spreads them (default: 10 at full depth, else 1)")
 
 
 def pytest_configure(config):
@@ -61,25 +64,42 @@ def pytest_configure(config):
 #: parts, each its own test id with its share of the examples: shards (``--hal-shard``) then spread one
 #: slow test over several slices, each of which fits a time-limited run (phase consistency at full
 #: depth took longer than 420 s as one test on the H200; in 5 parts of 10 examples, 7 of 10 parts took
-#: 2-6 min and 3 did not finish in 440 s, so 10 parts of 5). Full depth draws at random (not
-#: derandomised), so the parts draw different examples.
+#: 2-6 min and 3 did not finish in 440 s, so 10 parts of 5). ``--hal-parts N`` sets the count at any
+#: depth (quick depth's phase tests under the Ascend contract compile so many kernel variants that one
+#: test did not finish in 420 s on the H200 either).
 PARTS_AT_FULL_DEPTH = 10
+
+
+def _parts(config) -> int:
+    parts = config.getoption("hal_parts", None)
+    if parts is not None and parts < 1:
+        raise pytest.UsageError(f"--hal-parts must be >= 1, got {parts}")
+    return parts or (PARTS_AT_FULL_DEPTH if config.getoption("hal_depth", "quick") == "full" else 1)
 
 
 def pytest_generate_tests(metafunc):
     if "hal_part" in metafunc.fixturenames:
-        count = PARTS_AT_FULL_DEPTH if metafunc.config.getoption("hal_depth", "quick") == "full" else 1
+        count = _parts(metafunc.config)
         metafunc.parametrize("hal_part", [(i, count) for i in range(count)],
                              ids=[f"part{i + 1}of{count}" for i in range(count)])
 
 
 def part_settings(hal_part: tuple[int, int]):
-    """The hypothesis settings of one part: the profile's examples divided among the parts."""
-    from hypothesis import settings
+    """A decorator for one part's hypothesis test: the profile's examples divided among the parts. A
+    derandomised profile (quick, tiny, CI) would draw the same examples in every part, so each part of
+    several is seeded with its own index instead: different examples per part, the same on every run.
+    Full depth draws at random (not derandomised), so its parts draw different examples anyway."""
+    from hypothesis import seed, settings
 
-    _, count = hal_part
+    index, count = hal_part
     profile = settings.get_profile("hal-conformance")
-    return settings(profile, max_examples=max(1, -(-profile.max_examples // count)))
+    share = settings(profile, max_examples=max(1, -(-profile.max_examples // count)))
+    if count == 1 or not profile.derandomize:
+        return share
+
+    def decorate(test):
+        return seed(index)(settings(share, derandomize=False)(test))
+    return decorate
 
 
 def _kit_items(items):

@@ -29,7 +29,8 @@ def _cuts(seq_len, chunk, split, extra):
 @pytest.mark.hal(level=3)
 @pytest.mark.parametrize("op", ["attention", "decoder block"])
 def test_phase_consistency(hal_backend, hal_depth, op, hal_part):
-    """``hal_part``: at full depth the examples run in parts (separate test ids, so shards spread them)."""
+    """``hal_part``: at full depth (or with --hal-parts N) the examples run in parts (separate test ids, so
+    shards spread them)."""
     lengths, chunk, split = _lengths(hal_backend, hal_depth)
 
     dtypes = dtypes_for(hal_backend, "attention")
