@@ -3,9 +3,10 @@
 GRPO-shaped requests (``--prompts`` prompts x ``--group`` samples each, 64-token prompts of a repeating
 pattern, ``--new-tokens`` each) on a random model, generated four ways: plain, speculative
 (``--drafts`` prompt-lookup drafts per decode), prefix caching, both. Every variant must give the plain
-run's tokens and logprob bits (checked, the script fails otherwise); the table gives tokens/s, engine
-steps, draft acceptance and the prompt tokens read from the cache instead of computed. Greedy requests
-(``--temperature 0``) loop and accept drafts often; sampled ones (T = 1) on a random model rarely.
+run's tokens and logprob bits (checked, the script fails otherwise); the table gives tokens/s (median of
+``--repeats`` rounds in which the variants take turns), engine steps, draft acceptance and the prompt
+tokens read from the cache instead of computed. Greedy requests (``--temperature 0``) loop and accept
+drafts often; sampled ones (T = 1) on a random model rarely.
 
     python3 bench/harness_rollout.py --json out.json                       # reference backend, CPU
     python3 bench/harness_rollout.py --backend cuda --model 0.6b --json out.json        # on a GPU
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 
@@ -46,6 +48,7 @@ def main(argv=None) -> int:
     parser.add_argument("--drafts", type=int, default=4)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--model", choices=["tiny", "0.6b"], default="tiny")
+    parser.add_argument("--repeats", type=int, default=1, help="timed rounds, variants taking turns (median)")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     backend = create_backend(args.backend)
@@ -65,25 +68,34 @@ def main(argv=None) -> int:
     print(f"{args.backend} backend on {backend.device}, {args.model} model ({config.num_layers} layers, hidden "
           f"{config.hidden_size}, vocab {config.vocab_size}), {len(reqs)} requests x {args.new_tokens} new tokens, "
           f"T = {args.temperature}, {args.drafts} drafts", flush=True)
-    rows, reference = [], None
-    for name, extra in variants.items():
-        harness = RolloutHarness(model, HarnessConfig(**base, **extra))
-        harness.generate(reqs[:2])                                     # warm-up
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            out = harness.generate(reqs)
-        seconds = time.perf_counter() - t0
-        if reference is None:
-            reference = out
+    harnesses = {name: RolloutHarness(model, HarnessConfig(**base, **extra)) for name, extra in variants.items()}
+    for harness in harnesses.values():
+        harness.generate(reqs[:2])                                     # warm-up (compiles, allocations)
+    # The variants take turns, --repeats rounds: a slow spell of the machine hits all of them alike.
+    seconds = {name: [] for name in variants}
+    outputs, stats = {}, {}
+    for round_ in range(args.repeats):
+        for name, harness in harnesses.items():
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                out = harness.generate(reqs)
+            seconds[name].append(time.perf_counter() - t0)
+            if round_ == 0:
+                outputs[name], stats[name] = out, harness.stats
+            print(f"  round {round_ + 1}/{args.repeats} {name:15} {seconds[name][-1]:7.2f} s", flush=True)
+    rows, reference = [], outputs["plain"]
+    for name in variants:
+        out, st = outputs[name], stats[name]
         same = all(a.tokens == b.tokens and torch.equal(a.logprobs, b.logprobs) for a, b in zip(reference, out))
-        st = harness.stats
         prompt_tokens = sum(len(r.prompt) for r in reqs)
-        row = dict(variant=name, identical_to_plain=same, seconds=seconds,
-                   tok_s=sum(len(c.tokens) for c in out) / seconds, steps=st.steps, draft_tokens=st.draft_tokens,
+        median = statistics.median(seconds[name])
+        row = dict(variant=name, identical_to_plain=same, seconds=median, seconds_each=seconds[name],
+                   tok_s=sum(len(c.tokens) for c in out) / median, steps=st.steps, draft_tokens=st.draft_tokens,
                    accepted_tokens=st.accepted_tokens, acceptance_rate=st.acceptance_rate,
                    cached_prompt_tokens=sum(c.cached_prompt_tokens for c in out), prompt_tokens=prompt_tokens)
         rows.append(row)
-        print(f"{name:15} {'same' if same else 'DIFFERENT':9} {row['tok_s']:8.0f} tok/s  {st.steps:4} steps  "
+        spread = f" (of {min(seconds[name]):.2f}-{max(seconds[name]):.2f} s)" if args.repeats > 1 else ""
+        print(f"{name:15} {'same' if same else 'DIFFERENT':9} {row['tok_s']:8.0f} tok/s{spread}  {st.steps:4} steps  "
               f"drafts {st.accepted_tokens}/{st.draft_tokens} accepted  "
               f"prompt tokens from the cache {row['cached_prompt_tokens']}/{prompt_tokens}", flush=True)
     plain = rows[0]["tok_s"]

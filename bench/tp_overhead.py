@@ -10,8 +10,10 @@ linears (hidden 4096, intermediate 12288) at decode and prefill M:
   negative control: what a plain all-reduce computes from the same partials (each rank adds its own
   chunks, then the ranks' sums are added pairwise, as NCCL's tree does) differs from ``linear`` somewhere;
 * time (device time per call, CUDA-graph replay): ``linear``; ``linear_chunk_partials`` + the combine
-  (the TP path without communication); and ``hal.parallel.row_parallel_linear`` at TP = 1 through a
-  one-rank NCCL group (its all-gather and concatenation included). The ratio is the sharded code path's
+  (what each rank of a TP > 1 group computes, without communication); and
+  ``hal.parallel.row_parallel_linear`` at TP = 1 through a one-rank NCCL group (up to e23415b the whole
+  sharded path, its all-gather and concatenation included; since then one rank calls ``linear`` itself,
+  bitwise the same, and the column shows the wrapper's cost). The ratios are the sharded code path's
   single-GPU overhead; the combine's cost against an NCCL all-reduce at TP > 1 needs several GPUs;
 * vocab-parallel logprobs (vocabularies of 131072 and 163840, so that 8 shards are whole 4096-wide
   chunks): the pieces of n vocab shards (``logprob_chunk_max``, ``logprob_chunk_sums``,

@@ -119,6 +119,11 @@ def row_parallel_linear(backend: Backend, tp: TensorParallel, x: torch.Tensor, w
         raise UnsupportedError(f"row_parallel_linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not "
                                f"match (weight must be the rank's (N, Ks) columns, Ks = x.shape[-1])")
     start, _ = tp.shard(k_local * tp.world_size, backend.contract.gemm.k_chunk, "row_parallel_linear K")
+    if tp.world_size == 1:
+        # One rank holds every chunk: the ordered combine of its own partials is the one-device [gemm]
+        # rule, which ``linear`` realises directly, without the (C, M, N) fp32 partials (2.2-2.6x the
+        # GEMM's time at prefill sizes on the H200: bench/results/h200-2026-12-02-session8).
+        return backend.linear(x, weight, bias, out_dtype=out_dtype)
     partials = backend.linear_chunk_partials(x, weight, start)                 # (C_local, M, N) fp32
     ordered = torch.cat(tp.all_gather(partials))                               # rank order = chunk order
     out = backend.combine_chunks(ordered, bias, out_dtype=out_dtype or x.dtype)
@@ -152,6 +157,8 @@ def vocab_parallel_token_logprobs(backend: Backend, tp: TensorParallel, logits: 
     vocab_local = logits.shape[-1]
     start, _ = tp.shard(vocab_local * tp.world_size, backend.contract.logprobs.vocab_chunk,
                         "vocab_parallel_token_logprobs vocabulary")
+    if tp.world_size == 1:     # the whole vocabulary on one rank: the pieces' combine is token_logprobs itself
+        return backend.token_logprobs(logits, token_ids.to(logits.device), temperature)
     chunk_max = torch.cat(tp.all_gather(backend.logprob_chunk_max(logits, temperature, start)), dim=-1)
     row_max = chunk_max.amax(-1)                                              # exact in any order
     chunk_sums = torch.cat(tp.all_gather(backend.logprob_chunk_sums(logits, row_max, temperature, start)), dim=-1)

@@ -90,8 +90,34 @@ def test_speculative_harness_recipe_is_the_plain_run_bit_for_bit(tmp_path):
              "engine"}                                             # and the engine's name
     assert [{k: v for k, v in _numbers(m).items() if k not in named} for m in spec_steps] == \
         [{k: v for k, v in _numbers(m).items() if k not in named} for m in plain_steps]
-    with pytest.raises(RecipeError, match="built into the harness only"):
+    with pytest.raises(RecipeError, match="use vllm.speculative_tokens"):
         _recipe(tmp_path, "engine=vllm", "harness.speculative_tokens=2")
+    with pytest.raises(RecipeError, match="use harness.speculative_tokens"):
+        _recipe(tmp_path, "vllm.speculative_tokens=2")
+
+
+def test_draft_model_harness_recipe_is_the_plain_run_bit_for_bit(tmp_path):
+    """``harness.draft_checkpoint``: drafts from a small model (1 layer, same vocabulary) instead of prompt
+    lookup; the run equals the plain one (rewards, losses, logprob comparisons) with diff = 0 every step."""
+    from hal.model import DecoderLM
+    from hal.model.checkpoint import save_pretrained
+    from hal.model.config import tiny_config
+
+    draft = save_pretrained(DecoderLM.random(tiny_config("llama", "float32", vocab_size=16, num_layers=1,
+                                                         hidden_size=32, num_heads=2, num_kv_heads=1), seed=5),
+                            tmp_path / "draft")
+    spec = run_recipe(_recipe(tmp_path / "spec", "steps=2", "harness.speculative_tokens=2",
+                              f"harness.draft_checkpoint={draft}"), echo=None)["runs"]["reference"]
+    plain = run_recipe(_recipe(tmp_path / "plain", "steps=2"), echo=None)["runs"]["reference"]
+    assert all(m["mismatches"] == 0 and m["max_abs_diff"] == 0.0 for m in spec)
+    assert sum(m["draft_tokens"] for m in spec) > 0 and "drafts by draft model" in spec[0]["engine"]
+    named = {"draft_tokens", "accepted_tokens", "acceptance_rate", "engine"}
+    assert [{k: v for k, v in _numbers(m).items() if k not in named} for m in spec] == \
+        [{k: v for k, v in _numbers(m).items() if k not in named} for m in plain]
+    with pytest.raises(RecipeError, match="set harness.speculative_tokens > 0"):
+        _recipe(tmp_path, f"harness.draft_checkpoint={draft}")
+    with pytest.raises(RecipeError, match="no such local Hugging Face checkpoint"):
+        _recipe(tmp_path, "harness.speculative_tokens=2", f"harness.draft_checkpoint={tmp_path / 'nope'}")
 
 
 class BatchSplitKBackend(ReferenceBackend):

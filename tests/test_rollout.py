@@ -291,6 +291,59 @@ def test_speculative_decoding_gives_plain_decodings_tokens_and_logprob_bits():
             assert torch.equal(lp, c.logprobs)
 
 
+def plain_and_drafted(backend, draft: str):
+    """Plain decoding, and speculative decoding with drafts from a draft model: the target model itself
+    (its greedy drafts are accepted often) or another, smaller random model (rarely)."""
+    model = DecoderLM.random(tiny_config("llama", "float32"), seed=11, backend=backend)
+    small = tiny_config("llama", "float32", num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1)
+    draft_model = model if draft == "target" else DecoderLM.random(small, seed=99, backend=backend)
+    plain = RolloutHarness(model, HarnessConfig(page_size=4, max_num_seqs=4, max_batch_tokens=24, seed=0))
+    spec = RolloutHarness(model, HarnessConfig(page_size=4, num_pages=24, max_num_seqs=4, max_batch_tokens=24,
+                                               speculative_tokens=3, preempt_prob=0.1, seed=5),
+                          draft_model=draft_model)
+    return model, plain.generate(SPEC_REQUESTS), spec.generate(SPEC_REQUESTS), spec
+
+
+@pytest.mark.parametrize("draft", ["target", "other"])
+def test_draft_model_speculation_gives_plain_decodings_tokens_and_logprob_bits(draft):
+    """Drafts from a draft model's greedy decoding (its own paged cache, kept between steps) verified
+    as prompt-lookup drafts are: plain decoding's tokens and logprob bits, equal to the trainer's
+    recomputation, whatever the drafter proposes (the target itself: most drafts accepted; another
+    model: few)."""
+    model, plain, spec, harness = plain_and_drafted(REF, draft)
+    stats = harness.stats
+    assert harness.drafter.forwards > 0 and stats.draft_tokens > 0 and stats.preemptions > 0
+    if draft == "target":
+        # Greedy requests: the target's own greedy drafts are its tokens, so every one is accepted (a
+        # stale or misplaced draft cache would propose others).
+        greedy = [r for r in SPEC_REQUESTS if r.temperature == 0]
+        harness.generate(greedy)
+        assert harness.stats.draft_tokens > 0 and harness.stats.acceptance_rate == 1.0, harness.stats
+    for a, b in zip(plain, spec):
+        assert a.tokens == b.tokens and a.finish_reason == b.finish_reason
+        assert torch.equal(a.logprobs, b.logprobs)
+    with torch.no_grad():
+        for c, lp in zip(spec, recompute_logprobs(model, spec)):
+            assert torch.equal(lp, c.logprobs)
+
+
+def test_draft_model_speculation_negative_control_decode_with_other_kv_chunks():
+    """The same backend as the prompt-lookup negative control (single-query attention over other KV
+    chunks): verifying the draft model's accepted drafts in a chunk gives other bits than decoding."""
+    _, plain, spec, harness = plain_and_drafted(DecodeChunkBackend(load_contract()), "target")
+    assert harness.stats.accepted_tokens > 0
+    assert any(a.tokens != b.tokens or not torch.equal(a.logprobs, b.logprobs) for a, b in zip(plain, spec))
+
+
+def test_draft_model_is_checked():
+    model = DecoderLM.random(tiny_config("llama", "float32"), seed=11, backend=REF)
+    other_vocab = DecoderLM.random(tiny_config("llama", "float32", vocab_size=64), seed=1, backend=REF)
+    with pytest.raises(HalError, match="speculative_tokens > 0"):
+        RolloutHarness(model, HarnessConfig(), draft_model=model)
+    with pytest.raises(HalError, match="vocabulary 64 differs from the target model's 128"):
+        RolloutHarness(model, HarnessConfig(speculative_tokens=2), draft_model=other_vocab)
+
+
 def test_speculative_decoding_negative_control_decode_with_other_kv_chunks():
     """A backend whose single-query attention reduces in other chunks than its multi-query attention:
     verifying drafts in a chunk then gives other logprob bits than decoding one token at a time."""

@@ -771,3 +771,39 @@ def test_gpu_attention_route_is_wired_as_documented():
     with set_current_vllm_config(VllmConfig()):
         assert backend.get_preferred_block_size(16) == 64          # bf16-dense-v1's kv_chunk
     assert backend.supported_kv_cache_dtypes == ["auto"]
+
+
+def test_speculating_recipe_on_vllm_diff_zero_every_step(engines, tmp_path):
+    """``vllm.speculative_tokens``: vLLM's n-gram drafter with the HAL's verification inside the RL loop
+    (the engine core in its own process on the CPU; weights synced into it every step): diff = 0 every
+    step, and the step metrics count the drafts it verified."""
+    from hal.rl import run_recipe
+
+    engines.close()
+    runs = run_recipe(_vllm_recipe(tmp_path, "spec", "steps=3", "vllm.speculative_tokens=3"),
+                      echo=None)["runs"]["reference"]
+    assert [m["step"] for m in runs] == [1, 2, 3]
+    for m in runs:
+        assert "n-gram speculation, 3 drafts" in m["engine"]
+        assert m["mismatches"] == 0 and m["k3_kl"] == 0.0 and m["max_abs_diff"] == 0.0
+        assert 0 <= m["accepted_tokens"] <= m["draft_tokens"]
+    assert sum(m["draft_tokens"] for m in runs) > 0
+    assert any(m["weights_changed"] for m in runs)
+
+
+def test_weights_packed_for_another_process_come_back_with_the_same_bytes():
+    """``pack_weights`` / ``unpack_weights`` (a weight sync into an engine core in another process): every
+    dtype a model holds, an empty tensor and a non-contiguous one come back bitwise."""
+    from hal.vllm.worker import pack_weights, unpack_weights
+
+    g = torch.Generator().manual_seed(0)
+    weights = [("w.bf16", torch.randn(3, 5, generator=g).to(torch.bfloat16)),
+               ("w.fp32", torch.randn(4, generator=g)),
+               ("w.fp8", torch.randn(2, 8, generator=g).to(torch.float8_e4m3fn)),
+               ("w.t", torch.randn(5, 3, generator=g).t()),
+               ("w.empty", torch.zeros(0, 7))]
+    back = unpack_weights(pack_weights(weights))
+    assert [n for n, _ in back] == [n for n, _ in weights]
+    for (_, a), (_, b) in zip(weights, back):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a.contiguous().view(torch.uint8), b.view(torch.uint8))

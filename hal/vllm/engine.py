@@ -103,6 +103,7 @@ class VllmEngine:
                  gpu_memory_utilization: float | None = None, block_size: int | None = None,
                  async_scheduling: bool | None = None, speculative_tokens: int = 0):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
+        self.multiprocess = multiprocess
         from vllm import LLM
 
         self.binding = binding
@@ -250,7 +251,15 @@ class VllmEngine:
         else:
             weights = [(name, param[rows].detach()) for name, (param, rows) in hf_slices(model).items()]
         t0 = time.perf_counter()
-        if self.binding is not None:     # weights kept as loaded: a plain in-place copy (HalWorkerExtension)
+        if self.multiprocess:            # another process: tensors travel as bytes (hal.vllm.worker.pack_weights)
+            from hal.vllm.worker import pack_weights
+
+            packed = pack_weights(weights)
+            if self.binding is not None:
+                self.llm.collective_rpc("hal_load_weights", kwargs={"packed": packed})
+            else:
+                self.llm.collective_rpc("hal_reload_weights", kwargs={"packed": packed})
+        elif self.binding is not None:   # weights kept as loaded: a plain in-place copy (HalWorkerExtension)
             self.llm.collective_rpc("hal_load_weights", kwargs={"weights": weights})
         else:                            # stock kernels repack their weights: vLLM reloads and re-processes
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})

@@ -19,6 +19,28 @@ import os
 import torch
 
 
+def pack_weights(weights) -> list[tuple[str, str, list[int], bytes]]:
+    """(name, tensor) pairs as plain values, for an engine core in another process: collective_rpc's
+    serialisation carries bytes, strings and lists exactly, but not a tensor in an untyped argument."""
+    packed = []
+    for name, t in weights:
+        t = t.detach().to("cpu").contiguous()
+        packed.append((name, str(t.dtype).replace("torch.", ""), list(t.shape),
+                       t.view(torch.uint8).numpy().tobytes() if t.numel() else b""))
+    return packed
+
+
+def unpack_weights(packed) -> list[tuple[str, torch.Tensor]]:
+    """``pack_weights``'s pairs back as tensors (the same bytes)."""
+    out = []
+    for name, dtype, shape, data in packed:
+        dtype = getattr(torch, dtype)
+        t = (torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype) if data
+             else torch.empty(0, dtype=dtype))
+        out.append((name, t.reshape(shape)))
+    return out
+
+
 def tensor_digest(t: torch.Tensor) -> str:
     """sha256 of a tensor's bytes (bf16 viewed as int16, fp8 as uint8: numpy has neither)."""
     t = t.detach().to("cpu").contiguous()
@@ -63,15 +85,22 @@ class HalWorkerExtension:
         return {"bindings": [b.to_dict() for b in sorted(bindings, key=str)], "unrouted": unrouted,
                 "silent": silent, "routed": routed, "pid": os.getpid()}
 
-    def hal_load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> int:
+    def hal_load_weights(self, weights: list[tuple[str, torch.Tensor]] | None = None, packed=None) -> int:
         """Copy (HF name, tensor) pairs into the model's parameters through the model's own ``load_weights``
         (its per-parameter loaders write into the existing storage), skipping vLLM's layerwise
         ``reload_weights`` machinery (which moves every layer's tensors to the meta device and back, then
         re-runs the weight processing): a HAL-bound engine keeps its weights exactly as loaded, so there
-        is nothing to re-process. Returns how many parameters were written."""
+        is nothing to re-process. ``packed``: the pairs as ``pack_weights`` made them (an engine core in
+        another process). Returns how many parameters were written."""
+        if packed is not None:
+            weights = unpack_weights(packed)
         with torch.no_grad():
             loaded = self._hal_model().load_weights(weights)
         return len(loaded or ())
+
+    def hal_reload_weights(self, packed) -> None:
+        """vLLM's own ``reload_weights`` (stock engines) on ``pack_weights``'s pairs."""
+        self.reload_weights(weights_iterator=unpack_weights(packed))
 
     def hal_spec_decode_stats(self) -> dict:
         """{"draft_tokens", "accepted_tokens"} verified so far by the HAL's draft verification (empty when the
