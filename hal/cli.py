@@ -218,10 +218,22 @@ def _tune(args) -> int:
     shapes, out_dtypes = tuning.model_gemm_shapes(model, batches)
     print(f"hal tune: {len(shapes)} GEMM shapes of {config_file} on {device}, contract {backend.contract}; "
           f"cache {out}", flush=True)
-    tuning.tune_gemm(shapes, backend.contract.gemm, out_dtypes=out_dtypes, cache=cache,
-                     progress=lambda line: print(line, flush=True))
-    cache.save(out)
-    print(f"hal tune: {len(cache.entries)} shape classes in {out}")
+    rows: list = []
+
+    def progress(line: str) -> None:
+        print(line, flush=True)
+        cache.save(out)                  # after every shape: an interrupted tuning keeps what it measured
+        if args.report:
+            Path(args.report).write_text(json.dumps({"device": device, "triton": triton.__version__,
+                                                     "model": str(config_file), "rows": rows}, indent=1))
+
+    def cublas(x, w, out_dtype):         # the stock GEMM beside ours (cuBLAS; fp32 logits out as a cast)
+        out = torch.nn.functional.linear(x, w)
+        return out if out_dtype == out.dtype else out.to(out_dtype)
+
+    tuning.tune_gemm(shapes, backend.contract.gemm, out_dtypes=out_dtypes, cache=cache, progress=progress,
+                     baseline=cublas if args.report else None, report=rows)
+    print(f"hal tune: {len(cache.entries)} shape classes in {out}" + (f"; report {args.report}" if args.report else ""))
     return 0
 
 
@@ -262,6 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", default=DEFAULT_TUNE_BATCHES, help="tokens per call to tune for, comma-separated")
     p.add_argument("--contract", help="contract name or .toml path (default: the backend's first)")
     p.add_argument("--cache", help="the tuning cache to write (default: $HAL_TUNE_CACHE or ~/.cache/hal/tuning/)")
+    p.add_argument("--report", help="also time cuBLAS per shape and write every shape's times here (JSON)")
     p.set_defaults(func=_tune)
     from hal.diff import add_subcommand as add_diff  # `hal diff`: its options live with it in hal/diff.py
     add_diff(sub)

@@ -110,10 +110,13 @@ def _device_ms(fn: Callable[[], object]) -> float:
 def tune_gemm(shapes: Iterable[tuple[int, int, int]], spec: Gemm, *, dtype: torch.dtype = torch.bfloat16,
               out_dtypes: dict[tuple[int, int], torch.dtype] | None = None, device: torch.device | str = "cuda",
               cache: TuneCache, timer: Callable[[Callable[[], object]], float] = _device_ms,
-              progress: Callable[[str], None] | None = print) -> TuneCache:
+              progress: Callable[[str], None] | None = print, baseline: Callable | None = None,
+              report: list | None = None) -> TuneCache:
     """Time ``gemm.candidates`` for every (m, n, k) and record the fastest per shape class in ``cache``
     (returned). ``out_dtypes[(n, k)]``: the output dtype of a weight (fp32 for logits; default ``dtype``).
-    Every candidate's output is compared with the kernel's own configuration's, bit for bit."""
+    Every candidate's output is compared with the kernel's own configuration's, bit for bit.
+    ``baseline(x, w, out_dtype)``: a stock GEMM timed beside them (cuBLAS, for the report); ``report``:
+    a list that gets one row per shape (times in ms, the chosen configuration)."""
     from hal.backends.cuda.launch import CUDA_LAUNCH_UNTUNED as untuned   # the kernel's own tiles as the baseline
     from hal.kernels import gemm
 
@@ -147,9 +150,14 @@ def tune_gemm(shapes: Iterable[tuple[int, int, int]], spec: Gemm, *, dtype: torc
                                   "skipped": skipped}
         else:
             cache.entries.pop(key, None)      # the kernel's own table is the fastest: nothing to override
+        stock_ms = timer(lambda: baseline(x, w, out_dtype)) if baseline is not None else None
+        if report is not None:
+            report.append(dict(m=m, n=n, k=k, key=key, default_ms=default_ms, best_ms=best_ms, config=best,
+                               candidates=tried, skipped=skipped, baseline_ms=stock_ms))
         if progress:
+            stock = f", stock {stock_ms * 1e3:8.1f} us (ours {stock_ms / best_ms:.2f}x)" if stock_ms is not None else ""
             progress(f"  {key:44} {tried:3} candidates ({skipped} did not launch), default {default_ms * 1e3:8.1f} us, "
-                     f"best {best_ms * 1e3:8.1f} us ({default_ms / best_ms:.2f}x)")
+                     f"best {best_ms * 1e3:8.1f} us ({default_ms / best_ms:.2f}x){stock}")
         del x, w
     return cache
 
