@@ -530,6 +530,20 @@ def test_prefix_cache_hits_give_the_recomputed_bits(engines):
     sampled, _ = trainer_logprobs(model, completions)
     assert mismatches([c.logprobs for c in completions], sampled) == (0, 8 * 12)
     assert len({tuple(c.tokens) for c in completions}) > 1          # different seeds, different samples
+    # Control: with prefix caching off (VllmEngine(prefix_caching=False), a recipe's vllm.prefix_caching)
+    # the same requests read nothing from a cache, and give the same tokens and bits (an engine on the
+    # model's current weights: the pool's engine may hold synced ones).
+    engines.close()
+    engine = VllmEngine(save_pretrained(model, WORKSPACE / "qwen3-bfloat16-now"), binding=binding_for("qwen3"),
+                        dtype="bfloat16", max_num_seqs=len(PROMPT_LENGTHS), prefix_caching=False)
+    try:
+        engine.generate([Request(prompt=prompt, max_new_tokens=4, seed=99)])
+        uncached = engine.generate(group)
+    finally:
+        engine.close()
+    assert [c.cached_prompt_tokens for c in uncached] == [0] * 8
+    assert [c.tokens for c in uncached] == [c.tokens for c in completions]
+    assert all(torch.equal(a.logprobs, b.logprobs) for a, b in zip(uncached, completions))
 
 
 def test_compiled_engine_logprobs_equal_trainer(engines):

@@ -118,6 +118,7 @@ class VllmRolloutEngine:
                                  enforce_eager=not compiled,
                                  gpu_memory_utilization=recipe.vllm.gpu_memory_utilization if on_gpu else None,
                                  speculative_tokens=self.speculative_tokens,
+                                 prefix_caching=recipe.vllm.prefix_caching,
                                  multiprocess=bool(self.speculative_tokens) and not on_gpu)
         self._spec_seen = {"draft_tokens": 0, "accepted_tokens": 0}
         reported = self.engine.reported_binding()

@@ -81,6 +81,7 @@ class VllmSpec:
     gpu_memory_utilization: float = 0.5               # vLLM's share of the GPU (the trainer shares it); GPU only
     speculative_tokens: int = 0                       # vLLM's n-gram drafts per step (0: off); a HAL-bound
                                                       # engine verifies them for plain decoding's tokens and bits
+    prefix_caching: bool = True                       # vLLM's prefix cache (its default); hits keep the bits
 
 
 @dataclass

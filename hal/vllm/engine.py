@@ -95,13 +95,16 @@ class VllmEngine:
     step; a HAL-bound engine verifies them so that tokens and logprobs are plain decoding's
     (``hal.vllm.sampler._hal_verify``; ``spec_decode_stats()`` counts drafts and accepted tokens), a
     stock engine with vLLM's rejection sampler.
+    ``prefix_caching``: vLLM's prefix cache on or off (None: vLLM's default, on); a HAL-bound engine's
+    cache hits give the recomputed bits (``tests/test_vllm.py``).
     """
 
     def __init__(self, model_dir: str | os.PathLike, *, binding: EngineBinding | None, dtype: str,
                  max_model_len: int = 512, max_num_seqs: int = 16, max_num_batched_tokens: int = 512,
                  seed: int = 0, multiprocess: bool = False, enforce_eager: bool = True,
                  gpu_memory_utilization: float | None = None, block_size: int | None = None,
-                 async_scheduling: bool | None = None, speculative_tokens: int = 0):
+                 async_scheduling: bool | None = None, speculative_tokens: int = 0,
+                 prefix_caching: bool | None = None):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
         self.multiprocess = multiprocess
         from vllm import LLM
@@ -115,6 +118,8 @@ class VllmEngine:
         kwargs = {} if gpu_memory_utilization is None else {"gpu_memory_utilization": gpu_memory_utilization}
         if block_size is not None:
             kwargs["block_size"] = block_size
+        if prefix_caching is not None:
+            kwargs["enable_prefix_caching"] = bool(prefix_caching)
         if speculative_tokens < 0:
             raise UnsupportedError(f"vLLM engine: speculative_tokens must be >= 0, got {speculative_tokens}")
         if speculative_tokens:
