@@ -275,6 +275,16 @@ def plain_and_speculative(backend):
     return model, plain.generate(SPEC_REQUESTS), spec.generate(SPEC_REQUESTS), spec.stats
 
 
+def assert_plain_tokens_and_bits(model, plain, spec):
+    """``spec``'s completions have plain decoding's tokens and logprob bits, and the trainer's recomputation."""
+    for a, b in zip(plain, spec):
+        assert a.tokens == b.tokens and a.finish_reason == b.finish_reason
+        assert torch.equal(a.logprobs, b.logprobs)
+    with torch.no_grad():
+        for c, lp in zip(spec, recompute_logprobs(model, spec)):
+            assert torch.equal(lp, c.logprobs)
+
+
 def test_speculative_decoding_gives_plain_decodings_tokens_and_logprob_bits():
     """Prompt-lookup drafts verified as one chunk of queries, each position's target token sampled with
     its (seed, position) noise, a draft accepted iff it equals the target before it: the same tokens as
@@ -283,12 +293,7 @@ def test_speculative_decoding_gives_plain_decodings_tokens_and_logprob_bits():
     model, plain, spec, stats = plain_and_speculative(REF)
     assert stats.draft_tokens > stats.accepted_tokens > 0 and stats.preemptions > 0
     assert 0 < stats.acceptance_rate < 1
-    for a, b in zip(plain, spec):
-        assert a.tokens == b.tokens and a.finish_reason == b.finish_reason
-        assert torch.equal(a.logprobs, b.logprobs)
-    with torch.no_grad():
-        for c, lp in zip(spec, recompute_logprobs(model, spec)):
-            assert torch.equal(lp, c.logprobs)
+    assert_plain_tokens_and_bits(model, plain, spec)
 
 
 def plain_and_drafted(backend, draft: str):
@@ -319,12 +324,7 @@ def test_draft_model_speculation_gives_plain_decodings_tokens_and_logprob_bits(d
         greedy = [r for r in SPEC_REQUESTS if r.temperature == 0]
         harness.generate(greedy)
         assert harness.stats.draft_tokens > 0 and harness.stats.acceptance_rate == 1.0, harness.stats
-    for a, b in zip(plain, spec):
-        assert a.tokens == b.tokens and a.finish_reason == b.finish_reason
-        assert torch.equal(a.logprobs, b.logprobs)
-    with torch.no_grad():
-        for c, lp in zip(spec, recompute_logprobs(model, spec)):
-            assert torch.equal(lp, c.logprobs)
+    assert_plain_tokens_and_bits(model, plain, spec)
 
 
 def test_draft_model_speculation_negative_control_decode_with_other_kv_chunks():

@@ -44,8 +44,6 @@ def propose_ngram(tokens: Sequence[int], k: int, max_n: int = 3) -> list[int]:
 class NgramDrafter:
     """Prompt-lookup drafts (no model, no state)."""
 
-    name = "ngram"
-
     def start(self, num_requests: int, max_tokens: int) -> None:
         pass
 
@@ -65,8 +63,6 @@ class _DraftState:
 class ModelDrafter:
     """Greedy drafts from ``model`` (the draft model: same vocabulary as the target, any size), with a
     paged KV cache of ``page_size``-key pages that keeps each request's computed prefix between steps."""
-
-    name = "draft model"
 
     def __init__(self, model: DecoderLM, page_size: int = 16):
         self.model = model
