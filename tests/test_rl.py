@@ -116,6 +116,8 @@ def test_draft_model_harness_recipe_is_the_plain_run_bit_for_bit(tmp_path):
         [{k: v for k, v in _numbers(m).items() if k not in named} for m in plain]
     with pytest.raises(RecipeError, match="set harness.speculative_tokens > 0"):
         _recipe(tmp_path, f"harness.draft_checkpoint={draft}")
+    with pytest.raises(RecipeError, match="set vllm.speculative_tokens > 0"):
+        _recipe(tmp_path, "engine=vllm", f"vllm.draft_checkpoint={draft}")
     with pytest.raises(RecipeError, match="no such local Hugging Face checkpoint"):
         _recipe(tmp_path, "harness.speculative_tokens=2", f"harness.draft_checkpoint={tmp_path / 'nope'}")
 

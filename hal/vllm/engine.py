@@ -94,7 +94,8 @@ class VllmEngine:
     ``speculative_tokens=k``: vLLM's n-gram (prompt-lookup) speculative decoding with up to k drafts per
     step; a HAL-bound engine verifies them so that tokens and logprobs are plain decoding's
     (``hal.vllm.sampler._hal_verify``; ``spec_decode_stats()`` counts drafts and accepted tokens), a
-    stock engine with vLLM's rejection sampler.
+    stock engine with vLLM's rejection sampler. With ``draft_model`` (a checkpoint of the same vocabulary)
+    the drafts come from vLLM's draft-model proposer instead; the verification is the same.
     ``prefix_caching``: vLLM's prefix cache on or off (None: vLLM's default, on); a HAL-bound engine's
     cache hits give the recomputed bits (``tests/test_vllm.py``).
     """
@@ -104,7 +105,7 @@ class VllmEngine:
                  seed: int = 0, multiprocess: bool = False, enforce_eager: bool = True,
                  gpu_memory_utilization: float | None = None, block_size: int | None = None,
                  async_scheduling: bool | None = None, speculative_tokens: int = 0,
-                 prefix_caching: bool | None = None):
+                 draft_model: str | os.PathLike | None = None, prefix_caching: bool | None = None):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
         self.multiprocess = multiprocess
         from vllm import LLM
@@ -122,7 +123,13 @@ class VllmEngine:
             kwargs["enable_prefix_caching"] = bool(prefix_caching)
         if speculative_tokens < 0:
             raise UnsupportedError(f"vLLM engine: speculative_tokens must be >= 0, got {speculative_tokens}")
-        if speculative_tokens:
+        if draft_model is not None and not speculative_tokens:
+            raise UnsupportedError("vLLM engine: a draft_model drafts for speculative decoding; pass "
+                                   "speculative_tokens > 0 (drafts per step) too")
+        if speculative_tokens and draft_model is not None:
+            kwargs["speculative_config"] = {"method": "draft_model", "model": str(draft_model),
+                                            "num_speculative_tokens": speculative_tokens}
+        elif speculative_tokens:
             kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": speculative_tokens,
                                             "prompt_lookup_min": 1, "prompt_lookup_max": 4}
         if binding is not None:
