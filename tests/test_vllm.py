@@ -268,45 +268,28 @@ def plain_run(engines, path: Path, requests):
         engine.close()
 
 
-def speculating_engine(path: Path) -> VllmEngine:
+def speculating_engine(path: Path, drafter: str) -> VllmEngine:
     """In its own engine-core process (forked: it inherits this process's patches): vLLM's n-gram drafter
     compiles with numba there, and after numba has loaded llvmlite, vLLM 0.32's kernel dispatcher fails
     when it scans the modules of the next engine built in that process (``vars()`` of llvmlite's lazy
-    library wrapper)."""
+    library wrapper). ``drafter``: "ngram" (4 drafts per step) or "draft model" (3, the model drafting
+    for itself through vLLM's draft-model proposer)."""
+    options = dict(speculative_tokens=4) if drafter == "ngram" else dict(speculative_tokens=3, draft_model=path)
     return VllmEngine(path, binding=binding_for("llama"), dtype="bfloat16", max_num_seqs=len(PROMPT_LENGTHS),
-                      speculative_tokens=4, multiprocess=True)
+                      multiprocess=True, **options)
 
 
-def test_speculative_decoding_gives_plain_decodings_tokens_and_bits(engines):
-    """vLLM's n-gram speculative decoding (4 drafts per step) in a HAL-bound engine: each draft is accepted
-    iff it equals the token the HAL sampler draws at its position (``hal.vllm.sampler._hal_verify``), so
-    the tokens and every logprob bit equal plain decoding's, and the trainer's; drafts were accepted (the
+@pytest.mark.parametrize("drafter", ["ngram", "draft model"])
+def test_speculative_decoding_gives_plain_decodings_tokens_and_bits(engines, drafter):
+    """vLLM's speculative decoding in a HAL-bound engine, with n-gram drafts or a draft model's (here the
+    model drafting for itself: its greedy drafts are accepted on the greedy requests): each draft is
+    accepted iff it equals the token the HAL sampler draws at its position (``hal.vllm.sampler._hal_verify``),
+    so the tokens and every logprob bit equal plain decoding's, and the trainer's; drafts were accepted (the
     verified chunks did produce several tokens per step)."""
     model = engines.model("llama", "bfloat16")
     path, requests = save_pretrained(model, WORKSPACE / "llama-spec"), spec_requests(model.config.vocab_size)
     plain = plain_run(engines, path, requests)
-    spec = speculating_engine(path)
-    try:
-        fast = spec.generate(requests)
-        stats = spec.spec_decode_stats()
-    finally:
-        spec.close()
-    assert [c.tokens for c in fast] == [c.tokens for c in plain]
-    assert mismatches([c.logprobs for c in fast], [c.logprobs for c in plain]) == (0, len(PROMPT_LENGTHS) * NEW_TOKENS)
-    sampled, _ = trainer_logprobs(model, fast)
-    assert mismatches([c.logprobs for c in fast], sampled) == (0, len(PROMPT_LENGTHS) * NEW_TOKENS)
-    assert stats["draft_tokens"] > 0 and stats["accepted_tokens"] > 0, stats
-
-
-def test_draft_model_speculation_gives_plain_decodings_tokens_and_bits(engines):
-    """vLLM's draft-model proposer (here the model drafting for itself: its greedy drafts are accepted on
-    the greedy requests) with the HAL's verification: plain decoding's tokens and logprob bits, and the
-    trainer's. The engine core runs in its own process, as for the n-gram drafter."""
-    model = engines.model("llama", "bfloat16")
-    path, requests = save_pretrained(model, WORKSPACE / "llama-spec"), spec_requests(model.config.vocab_size)
-    plain = plain_run(engines, path, requests)
-    spec = VllmEngine(path, binding=binding_for("llama"), dtype="bfloat16", max_num_seqs=len(PROMPT_LENGTHS),
-                      speculative_tokens=3, draft_model=path, multiprocess=True)
+    spec = speculating_engine(path, drafter)
     try:
         fast = spec.generate(requests)
         stats = spec.spec_decode_stats()
