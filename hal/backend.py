@@ -277,11 +277,15 @@ class Backend(abc.ABC):
         return dtype
 
     def check_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        meta: AttentionMetadata) -> None:
-        """Shapes, then the metadata's values: every sequence's keys fit in the pages its block-table
-        row names and its queries in its context. A kernel reads past a short block-table row without
-        noticing (the next row's page ids), so this is refused here."""
-        self.check_dtype("attention", q, k_cache, v_cache)
+                        meta: AttentionMetadata, *, fp8_cache: bool = False) -> None:
+        """Dtypes (caches in q's dtype, or with ``fp8_cache`` checked by the caller), shapes, then the
+        metadata's values: every sequence's keys fit in the pages its block-table row names and its
+        queries in its context. A kernel reads past a short block-table row without noticing (the next
+        row's page ids), so this is refused here."""
+        if fp8_cache:
+            self.check_dtype("fp8_attention", q)
+        else:
+            self.check_dtype("attention", q, k_cache, v_cache)
         if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
             raise UnsupportedError(f"{self.name}.attention: expected q (T, Hq, D) and k_cache, v_cache of one shape "
                                    f"(pages, P, Hkv, D); got q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, "
@@ -483,6 +487,23 @@ class Backend(abc.ABC):
         """
         raise UnsupportedError(f"backend {self.name!r} does not realise FP8 linears (fp8_linear); use one that "
                                f"does (`hal doctor`)")
+
+    def fp8_write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     k_scale: torch.Tensor, v_scale: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Quantise k, v (T, Hkv, D) into an FP8 KV cache at flat slots ``page * P + row`` (slot -1 skips):
+        caches (pages, P, Hkv, D) in [fp8].kv_format; ``per_token_head``: each (token, head) vector's scale
+        by the scale rule, stored in k_scale / v_scale (pages, P, Hkv) fp32; ``fixed``: k_scale / v_scale
+        are the layer's 0-dim fp32 scales. ``hal.fp8.Fp8KVCache`` holds such a cache."""
+        raise UnsupportedError(f"backend {self.name!r} does not realise an FP8 KV cache (fp8_write_kv); use one "
+                               f"that does (`hal doctor`)")
+
+    def fp8_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor,
+                      v_scale: torch.Tensor, meta: AttentionMetadata, *, scale: float) -> torch.Tensor:
+        """``attention`` over an FP8 KV cache (as ``fp8_write_kv`` fills it), read through [fp8]'s one
+        read path ``round_act(fl32(fp32(q) * scale))``: the same bits as ``attention`` over the
+        dequantised caches (``hal.fp8.dequantise_kv``), in every phase."""
+        raise UnsupportedError(f"backend {self.name!r} does not realise an FP8 KV cache (fp8_attention); use one "
+                               f"that does (`hal doctor`)")
 
 
     # Tensor parallelism (``hal.parallel``; the contract's [parallel]): what one rank computes and sends,
@@ -789,12 +810,45 @@ def _fp8_linear_input(self, x, weight, weight_scale_inv, bias=None, *, out_dtype
     return None
 
 
+def _fp8_kv_spec(self, op, k_cache, v_cache, k_scale, v_scale):
+    from hal import fp8
+
+    spec = fp8.spec_of(self.contract, f"{self.name}.{op}")
+    fp8.check_kv_cache(k_cache, v_cache, k_scale, v_scale, spec, f"{self.name}.{op}")
+    return spec
+
+
+def _fp8_write_kv_input(self, k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping):
+    op = "fp8_write_kv"
+    self.check_not_meta(op, k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping)
+    _fp8_kv_spec(self, op, k_cache, v_cache, k_scale, v_scale)
+    self.check_dtype(op, k, v)
+    if k.dim() != 3 or v.shape != k.shape or k.shape[1:] != k_cache.shape[2:] or slot_mapping.shape != (k.shape[0],):
+        raise UnsupportedError(f"{self.name}.{op}: k and v must be one shape (T, Hkv, D) = (T, {k_cache.shape[2]}, "
+                               f"{k_cache.shape[3]}) with one slot per token; got k {tuple(k.shape)}, v "
+                               f"{tuple(v.shape)}, slots {tuple(slot_mapping.shape)}")
+    self.check_devices(op, k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping)
+    return _NOTHING if k.shape[0] == 0 else None
+
+
+def _fp8_attention_input(self, q, k_cache, v_cache, k_scale, v_scale, meta, *, scale):
+    op = "fp8_attention"
+    self.check_not_meta(op, q, k_cache, v_cache, k_scale, v_scale, meta.query_start_loc, meta.seq_lens,
+                        meta.block_table)
+    _fp8_kv_spec(self, op, k_cache, v_cache, k_scale, v_scale)
+    self.check_attention(q, k_cache, v_cache, meta, fp8_cache=True)
+    self.check_head_dim(op, q.shape[-1])
+    self.check_devices(op, q, k_cache, v_cache, k_scale, v_scale)
+    return torch.empty_like(q) if q.shape[0] == 0 else None
+
+
 _INPUT_CHECKS = {
     "linear": _linear_input, "attention": _attention_input, "write_kv": _write_kv_input,
     "rms_norm": _rms_norm_input, "silu_mul": _silu_mul_input, "rotary": _rotary_input,
     "log_softmax": _log_softmax_input, "token_logprobs": _token_logprobs_input,
     "sum": _reduce_input("sum"), "mean": _reduce_input("mean"), "topk": _topk_input,
     "moe_route": _moe_route_input, "moe_experts": _moe_experts_input, "fp8_linear": _fp8_linear_input,
+    "fp8_write_kv": _fp8_write_kv_input, "fp8_attention": _fp8_attention_input,
 }
 
 

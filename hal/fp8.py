@@ -167,15 +167,64 @@ def block_gemm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scal
 # The FP8 KV cache: quantise on write, dequantise in the one read path.
 # ---------------------------------------------------------------------------------------------
 
+def check_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,
+                   spec: Fp8, who: str) -> None:
+    """An FP8 KV cache as [fp8] says: k, v (pages, P, Hkv, D) in kv_format; fp32 scales (pages, P, Hkv)
+    for ``per_token_head``, 0-dim fp32 for ``fixed``."""
+    want = FORMATS[spec.kv_format]
+    if k_cache.dtype != want or v_cache.dtype != want or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise UnsupportedError(f"{who}: the FP8 KV cache must be two (pages, P, Hkv, D) {want} tensors of one shape "
+                               f"([fp8].kv_format = {spec.kv_format!r}); got {tuple(k_cache.shape)} {k_cache.dtype} "
+                               f"and {tuple(v_cache.shape)} {v_cache.dtype}")
+    shape = tuple(k_cache.shape[:3]) if spec.kv_scale == "per_token_head" else ()
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if s.dtype != torch.float32 or tuple(s.shape) != shape:
+            raise UnsupportedError(f"{who}: {name} must be fp32 of shape {shape} ([fp8].kv_scale = "
+                                   f"{spec.kv_scale!r}), got {tuple(s.shape)} {s.dtype}")
+
+
+def quantise_kv(x: torch.Tensor, fixed_scale: torch.Tensor, spec: Fp8) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """K or V rows (T, Hkv, D) -> (fp8 (T, Hkv, D), fp32 scales (T, Hkv) or None): per (token, head) vector by
+    the scale rule (``per_token_head``), or with the layer's ``fixed_scale`` (0-dim fp32; no scales stored)."""
+    if spec.kv_scale == "per_token_head":
+        return quantise_pieces(x, spec, spec.kv_format)
+    return quantise(x, fixed_scale, spec, spec.kv_format), None
+
+
+def dequantise_kv(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The one read path: round_act(fl32(fp32(q) * scale)), scale (..., Hkv) per token-head or 0-dim."""
+    s = scale.unsqueeze(-1) if scale.dim() else scale
+    return (q.float() * s).to(dtype)
+
+
+def write_kv_exact(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   k_scale: torch.Tensor, v_scale: torch.Tensor, slot_mapping: torch.Tensor, spec: Fp8,
+                   quantise_rows=quantise_kv) -> None:
+    """Quantise k, v (T, Hkv, D) and store them (and their scales) at flat slots ``page * P + row``; slot -1
+    skips. The reference backend's ``fp8_write_kv``, in exact torch ops (``quantise_rows``: the rule, a
+    test's negative control replaces it)."""
+    page_size = k_cache.shape[1]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    page, row = slots // page_size, slots % page_size
+    for x, cache, scales in ((k[keep], k_cache, k_scale), (v[keep], v_cache, v_scale)):
+        q, scale = quantise_rows(x, scales, spec)
+        cache[page, row] = q
+        if scale is not None:
+            scales[page, row] = scale
+
+
 class Fp8KVCache:
     """A paged KV cache stored in [fp8].kv_format, with its scales.
 
     k, v: (num_pages, P, Hkv, D) fp8; k_scale, v_scale: (num_pages, P, Hkv) fp32 per (token, head)
     ([fp8].kv_scale = "per_token_head") or the model's fixed fp32 scale per layer ("fixed"). ``write``
     quantises each token's K and V per head by the scale rule (from that token-head vector alone, so a
-    token's cache bits do not depend on which call wrote it or with whom); ``read`` is the one read
-    path that prefill, chunked prefill, decode and training all go through: k = round_act(fl32(fp32(q) *
-    scale)). Unwritten slots read as NaN (fp8 NaN, NaN scale), which [attention].mask keeps out."""
+    token's cache bits do not depend on which call wrote it or with whom); the read path that prefill,
+    chunked prefill, decode and training all go through is k = round_act(fl32(fp32(q) * scale)):
+    ``read`` materialises it, ``attention`` asks a backend for attention that reads the cache that way
+    (``Backend.fp8_attention``: the cuda kernel dequantises each K/V tile as it loads it). Unwritten
+    slots read as NaN (fp8 NaN, NaN scale), which [attention].mask keeps out."""
 
     def __init__(self, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, spec: Fp8,
                  device: torch.device | str = "cpu", fixed_scales: tuple[float, float] = (1.0, 1.0)):
@@ -196,30 +245,27 @@ class Fp8KVCache:
         return self.k.shape[1]
 
     def _quantise(self, x: torch.Tensor, fixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if self.spec.kv_scale == "per_token_head":
-            return quantise_pieces(x, self.spec, self.spec.kv_format)
-        return quantise(x, fixed, self.spec, self.spec.kv_format), None
+        return quantise_kv(x, fixed, self.spec)
 
-    def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Store k, v (T, Hkv, D) at flat slots ``page * P + row`` (T,); slot -1 skips."""
+    def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, backend=None) -> None:
+        """Store k, v (T, Hkv, D) at flat slots ``page * P + row`` (T,); slot -1 skips. With ``backend``
+        its ``fp8_write_kv`` quantises and stores (the cuda backend: one kernel); without, the exact
+        torch ops here."""
         if k.shape != v.shape or k.dim() != 3 or k.shape[1:] != self.k.shape[2:] or slot_mapping.shape != k.shape[:1]:
             raise UnsupportedError(f"Fp8KVCache.write: k and v must be (T, Hkv={self.k.shape[2]}, D={self.k.shape[3]}) "
                                    f"with one slot per token; got k {tuple(k.shape)}, v {tuple(v.shape)}, slots "
                                    f"{tuple(slot_mapping.shape)}")
-        keep = slot_mapping >= 0
-        slots = slot_mapping[keep].long()
-        page, row = slots // self.page_size, slots % self.page_size
-        for x, cache, scales in ((k[keep], self.k, "k_scale"), (v[keep], self.v, "v_scale")):
-            q, scale = self._quantise(x, getattr(self, scales))
-            cache[page, row] = q
-            if scale is not None:
-                getattr(self, scales)[page, row] = scale
-
-    def _dequantise(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        s = scale.unsqueeze(-1) if scale.dim() else scale
-        return (q.float() * s).to(dtype)                    # round_act(fl32(fp32(q) * scale))
+        if backend is not None:
+            backend.fp8_write_kv(k, v, self.k, self.v, self.k_scale, self.v_scale, slot_mapping)
+        else:
+            write_kv_exact(k, v, self.k, self.v, self.k_scale, self.v_scale, slot_mapping, self.spec,
+                           lambda x, fixed, spec: self._quantise(x, fixed))
 
     def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The dequantised (num_pages, P, Hkv, D) K and V caches in the activation dtype: what every
-        phase's ``Backend.attention`` reads."""
-        return self._dequantise(self.k, self.k_scale, dtype), self._dequantise(self.v, self.v_scale, dtype)
+        phase's attention reads."""
+        return dequantise_kv(self.k, self.k_scale, dtype), dequantise_kv(self.v, self.v_scale, dtype)
+
+    def attention(self, backend, q: torch.Tensor, meta, *, scale: float) -> torch.Tensor:
+        """``backend.fp8_attention`` over this cache: the same bits as ``backend.attention`` over ``read(q.dtype)``."""
+        return backend.fp8_attention(q, self.k, self.v, self.k_scale, self.v_scale, meta, scale=scale)

@@ -5,7 +5,7 @@ Properties: attention over an FP8 cache gives a token the same bits in full pref
 per-(token, head) scales and for a fixed scale; the dequantised cache is within half an fp8 step of
 what was written. Negative control: a scale from each write call's amax (per-tensor dynamic KV
 scaling) gives the early tokens other bits when a louder chunk is written with them, so the phases
-differ. The cuda attention kernel does not read an FP8 cache yet (docs/fp8.md says what it needs).
+differ. The cuda kernels (fused write and read): tests/test_cuda_fp8_kv.py.
 """
 
 from __future__ import annotations

@@ -415,3 +415,19 @@ def test_prefix_caching_negative_control_batch_dependent_kv():
     _, plain, cached, stats = cached_and_uncached(BatchDependentLinear(load_contract()))
     assert stats.cached_tokens > 0
     assert any(a.tokens != b.tokens or not torch.equal(a.logprobs, b.logprobs) for a, b in zip(plain, cached))
+
+
+def test_vectorised_position_seeds_equal_the_integer_specification():
+    """``position_seeds`` (int64 tensor ops, what the GPU sampler's keys come from) gives
+    ``position_seed``'s bits (exact Python integers) for seeds across the 64-bit range, negative and
+    wider ones included; negative control: positions off by one give other keys."""
+    from hal.rollout import sampler
+
+    g = torch.Generator().manual_seed(11)
+    seeds = torch.randint(0, 2**62, (200,), generator=g).tolist() + [0, 1, 2**63 - 1, 2**63, 2**64 - 1, -1, -2**63,
+                                                                       3 * 2**64 + 5]
+    positions = torch.randint(0, 2**20, (len(seeds),), generator=g).tolist()
+    expected = [sampler.position_seed(s, p) for s, p in zip(seeds, positions)]
+    assert sampler.position_seeds(seeds, positions).tolist() == expected
+    shifted = sampler.position_seeds(seeds, [p + 1 for p in positions]).tolist()
+    assert all(a != b for a, b in zip(shifted, expected))

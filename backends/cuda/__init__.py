@@ -221,3 +221,19 @@ class CudaBackend(Backend):
         out = self._fp8_gemm.linear(x2, weight, weight_scale_inv, bias, out_dtype or x.dtype, spec,
                                     policy=self._launch)
         return out.reshape(*x.shape[:-1], weight.shape[0])
+
+    # The FP8 KV cache ([fp8].kv_format / kv_scale): the write quantises in the write kernel; attention
+    # dequantises each K/V tile as it loads it (the one read path), so it gives the bits of ``attention``
+    # over the dequantised caches and reads half the bytes of a bf16 cache.
+    def fp8_write_kv(self, k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping):
+        self._kv_write.write_kv_fp8(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping,
+                                    fp8.spec_of(self.contract, "cuda.fp8_write_kv"))
+
+    def fp8_attention(self, q, k_cache, v_cache, k_scale, v_scale, meta: AttentionMetadata, *, scale):
+        if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+            raise UnsupportedError(f"fp8_attention: the caches' head_dim must be contiguous (stride 1); got strides "
+                                   f"{k_cache.stride()} and {v_cache.stride()}")
+        return self._attention.paged_attention(
+            q.contiguous(), k_cache, v_cache, meta.query_start_loc.to(torch.int32), meta.seq_lens.to(torch.int32),
+            meta.block_table.to(torch.int32), scale, self.contract.attention, policy=self._launch,
+            k_scale=k_scale, v_scale=v_scale)

@@ -93,17 +93,43 @@ def _exp(x, EXP2: tl.constexpr):
 
 
 @triton.jit
+def _dequantise(x, scale_ptr, scale_off, key_ok, MASKED: tl.constexpr, PER_TOKEN_SCALE: tl.constexpr,
+                IS_BF16: tl.constexpr, UPCAST: tl.constexpr):
+    """[fp8]'s KV read path for a (KV_CHUNK, HEAD_DIM) fp8 tile: round_act(fl32(fp32(x) * scale)), with
+    each key's (token, head) scale or the layer's fixed one; keys past the sequence (masked loads: x is
+    0) take scale 0, not the NaN of a never-written slot."""
+    if PER_TOKEN_SCALE:
+        if MASKED:
+            s = tl.load(scale_ptr + scale_off, mask=key_ok, other=0.0)
+        else:
+            s = tl.load(scale_ptr + scale_off)
+        y = x.to(tl.float32) * s[:, None]
+    else:
+        y = x.to(tl.float32) * tl.load(scale_ptr)
+    if IS_BF16:
+        if UPCAST:  # the interpreter's .to(bf16) truncates: fp32 holding the nearest-even bf16 value
+            y = round_to_bf16(y)
+        else:
+            y = y.to(tl.bfloat16)
+    return y
+
+
+@triton.jit
 def _chunk(q, m, l, acc, n0, b, kvh, positions, seq_len, q_row_ok, ones, k_cache_ptr, v_cache_ptr, block_table_ptr,
-           stride_bt, stride_kp, stride_kr, stride_kh, scale_log2e, offs_d,
+           stride_bt, stride_kp, stride_kr, stride_kh, scale_log2e, offs_d, k_scale_ptr, v_scale_ptr,
+           stride_sp, stride_sr, stride_sh,
            PAGE_SIZE: tl.constexpr, KV_CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr, IS_BF16: tl.constexpr,
            UPCAST: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr, EXP2: tl.constexpr,
-           ROUNDED_SUM: tl.constexpr):
+           ROUNDED_SUM: tl.constexpr, KV_FP8: tl.constexpr, PER_TOKEN_SCALE: tl.constexpr):
     """One KV chunk of the recurrence in the module docstring. MASKED=False only for chunks every
     row of the tile sees entirely; the unmasked formulas are the masked ones with every key visible.
     TMA: the chunk lies in one page and the caches are tensor descriptors of 2-D views whose rows
     are one token apart (row stride ``stride_kr``): one head's KV_CHUNK keys are a (KV_CHUNK,
     HEAD_DIM) block at the row and column of its first element. The copy engine brings the same
-    K/V rows (keys past the sequence are zeroed below, as the masked pointer loads zero them)."""
+    K/V rows (keys past the sequence are zeroed below, as the masked pointer loads zero them).
+    KV_FP8: the caches hold [fp8].kv_format values (never by descriptor), dequantised as they are
+    loaded by [fp8]'s one read path (``_dequantise``): the MMAs then see the very K/V tiles that a bf16
+    cache holding the dequantised values would give them, so the bits are that cache's."""
     keys = n0 + tl.arange(0, KV_CHUNK)
     if TMA:
         page = tl.load(block_table_ptr + b * stride_bt + n0 // PAGE_SIZE)
@@ -118,12 +144,14 @@ def _chunk(q, m, l, acc, n0, b, kvh, positions, seq_len, q_row_ok, ones, k_cache
     elif PAGE_SIZE % KV_CHUNK == 0:  # the chunk lies in one page
         page = tl.load(block_table_ptr + b * stride_bt + n0 // PAGE_SIZE).to(tl.int64)
         kv_rows = page * stride_kp + (n0 % PAGE_SIZE + tl.arange(0, KV_CHUNK)) * stride_kr
+        scale_rows = page * stride_sp + (n0 % PAGE_SIZE + tl.arange(0, KV_CHUNK)) * stride_sr
     else:
         if MASKED:
             page = tl.load(block_table_ptr + b * stride_bt + keys // PAGE_SIZE, mask=keys < seq_len, other=0)
         else:
             page = tl.load(block_table_ptr + b * stride_bt + keys // PAGE_SIZE)
         kv_rows = page.to(tl.int64) * stride_kp + (keys % PAGE_SIZE) * stride_kr
+        scale_rows = page.to(tl.int64) * stride_sp + (keys % PAGE_SIZE) * stride_sr
     if not TMA:
         kv_off = kv_rows[:, None] + kvh * stride_kh + offs_d[None, :]
         if MASKED:
@@ -133,6 +161,11 @@ def _chunk(q, m, l, acc, n0, b, kvh, positions, seq_len, q_row_ok, ones, k_cache
         else:
             k = tl.load(k_cache_ptr + kv_off)
             v = tl.load(v_cache_ptr + kv_off)
+        if KV_FP8:
+            k = _dequantise(k, k_scale_ptr, scale_rows + kvh * stride_sh, keys < seq_len, MASKED, PER_TOKEN_SCALE,
+                            IS_BF16, UPCAST)
+            v = _dequantise(v, v_scale_ptr, scale_rows + kvh * stride_sh, keys < seq_len, MASKED, PER_TOKEN_SCALE,
+                            IS_BF16, UPCAST)
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -265,13 +298,17 @@ def _end_of_chunk(big_m, big_l, big_a, m, l, acc, n0, hi, q_row_ok, positions, t
 def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_a_ptr, part_pos_ptr,
                       query_start_ptr, seq_lens_ptr, block_table_ptr, num_seqs, num_tiles,
                       stride_qt, stride_qh, stride_bt, stride_kp, stride_kr, stride_kh, stride_ot, stride_oh,
-                      num_q_heads, max_splits, scale_log2e, group,
+                      num_q_heads, max_splits, scale_log2e, group, k_scale_ptr, v_scale_ptr, stride_sp, stride_sr,
+                      stride_sh,
                       PAGE_SIZE: tl.constexpr, KV_SPLIT: tl.constexpr, GROUP_PAD: tl.constexpr,
                       HEAD_SPLIT: tl.constexpr, HEADS_FASTEST: tl.constexpr, SPLITS_PER_PROGRAM: tl.constexpr,
                       BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT_PARALLEL: tl.constexpr,
                       IS_BF16: tl.constexpr, UPCAST: tl.constexpr, KV_CHUNK: tl.constexpr, BLOCK_B: tl.constexpr,
-                      TMA: tl.constexpr, EXP2: tl.constexpr, ROUNDED_SUM: tl.constexpr):
-    """k_cache_ptr, v_cache_ptr: pointers, or with TMA tensor descriptors (``_chunk``)."""
+                      TMA: tl.constexpr, EXP2: tl.constexpr, ROUNDED_SUM: tl.constexpr, KV_FP8: tl.constexpr,
+                      PER_TOKEN_SCALE: tl.constexpr):
+    """k_cache_ptr, v_cache_ptr: pointers, or with TMA tensor descriptors (``_chunk``); with KV_FP8 the
+    caches are fp8 and k_scale_ptr / v_scale_ptr their (pages, P, Hkv) scales (strides stride_s*) or,
+    without PER_TOKEN_SCALE, one fixed scale each."""
     tile_index, head_program, split = _coordinates(HEADS_FASTEST)
     # Highest tile first: later tiles of a sequence see more keys, so the long ones start early.
     tile = num_tiles - 1 - tile_index
@@ -322,7 +359,9 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part
     for n0 in range(lo, full_end, KV_CHUNK):
         m, l, acc = _chunk(q, m, l, acc, n0, b, kvh, positions, seq_len, q_row_ok, ones, k_cache_ptr, v_cache_ptr,
                            block_table_ptr, stride_bt, stride_kp, stride_kr, stride_kh, scale_log2e, offs_d,
-                           PAGE_SIZE, KV_CHUNK, HEAD_DIM, IS_BF16, UPCAST, False, TMA, EXP2, ROUNDED_SUM)
+                           k_scale_ptr, v_scale_ptr, stride_sp, stride_sr, stride_sh,
+                           PAGE_SIZE, KV_CHUNK, HEAD_DIM, IS_BF16, UPCAST, False, TMA, EXP2, ROUNDED_SUM, KV_FP8,
+                           PER_TOKEN_SCALE)
         big_m, big_l, big_a, m, l, acc = _end_of_chunk(
             big_m, big_l, big_a, m, l, acc, n0, hi, q_row_ok, positions, token, head, num_q_heads, max_splits,
             part_m_ptr, part_l_ptr, part_a_ptr, offs_d, HEAD_DIM, KV_CHUNK, KV_SPLIT, SPLIT_PARALLEL, SPLITS_PER_PROGRAM,
@@ -330,7 +369,9 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part
     for n0 in range(full_end, hi, KV_CHUNK):
         m, l, acc = _chunk(q, m, l, acc, n0, b, kvh, positions, seq_len, q_row_ok, ones, k_cache_ptr, v_cache_ptr,
                            block_table_ptr, stride_bt, stride_kp, stride_kr, stride_kh, scale_log2e, offs_d,
-                           PAGE_SIZE, KV_CHUNK, HEAD_DIM, IS_BF16, UPCAST, True, TMA, EXP2, ROUNDED_SUM)
+                           k_scale_ptr, v_scale_ptr, stride_sp, stride_sr, stride_sh,
+                           PAGE_SIZE, KV_CHUNK, HEAD_DIM, IS_BF16, UPCAST, True, TMA, EXP2, ROUNDED_SUM, KV_FP8,
+                           PER_TOKEN_SCALE)
         big_m, big_l, big_a, m, l, acc = _end_of_chunk(
             big_m, big_l, big_a, m, l, acc, n0, hi, q_row_ok, positions, token, head, num_q_heads, max_splits,
             part_m_ptr, part_l_ptr, part_a_ptr, offs_d, HEAD_DIM, KV_CHUNK, KV_SPLIT, SPLIT_PARALLEL, SPLITS_PER_PROGRAM,
@@ -465,15 +506,23 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     policy: LaunchPolicy, split_parallel: bool | None = None, block_q: int | None = None,
                     num_warps: int | None = None, num_stages: int | None = None, head_split: int | None = None,
                     heads_fastest: bool | None = None, splits_per_program: int | None = None,
-                    tma: bool | None = None) -> torch.Tensor:
+                    tma: bool | None = None, k_scale: torch.Tensor | None = None,
+                    v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q (T, Hq, D); caches (pages, P, Hkv, D); metadata as in hal.backend.AttentionMetadata; the
     reduction structure from ``spec`` ([attention]); vendor launch choices from ``policy``.
     ``split_parallel``, ``block_q``, ``num_warps``, ``num_stages``, ``head_split`` (programs per KV
     head, each taking a slice of its query heads; a power of two up to the padded group),
     ``heads_fastest`` (program numbering), ``splits_per_program`` (with parallel splits) and ``tma``
     (K/V by tensor descriptor where ``_tma_ok``) override the launch shape (tests and tuning); they
-    never change the bits."""
+    never change the bits. ``k_scale`` / ``v_scale``: fp8 caches' scales ([fp8]: (pages, P, Hkv) fp32 per
+    token-head, or 0-dim fixed), required exactly when the caches are fp8 (``hal.fp8.Fp8KVCache``)."""
     tokens, q_heads, head_dim = q.shape
+    kv_fp8 = k_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    if kv_fp8 != (k_scale is not None and v_scale is not None):
+        raise ValueError("paged_attention: fp8 caches need k_scale and v_scale, and only fp8 caches take them")
+    per_token_scale = kv_fp8 and k_scale.dim() == 3
+    if per_token_scale and k_scale.stride() != v_scale.stride():
+        raise ValueError("paged_attention: k_scale and v_scale must have the same strides")
     page, kv_heads = k_cache.shape[1], k_cache.shape[2]
     num_seqs = seq_lens.shape[0]
     group = q_heads // kv_heads
@@ -510,7 +559,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                           and not INTERPRET)
     if tma is None:  # descriptors cost the host ~40 us a call; below 1024 query tokens they save < 1 us
         tma = shape["tma"] and tokens >= 1024
-    tma = tma and _tma_ok(k_cache, v_cache, kv_chunk)
+    tma = tma and _tma_ok(k_cache, v_cache, kv_chunk)    # bf16 caches only (fp8 tiles are dequantised in registers)
     scale_log2e = spec.score_factor(scale)  # fl32(scale * log2 e), or fl32(scale) with the natural exp
     is_bf16 = q.dtype == torch.bfloat16
     num_stages = num_stages or shape["num_stages"]
@@ -524,8 +573,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     meta = dict(PAGE_SIZE=page, KV_SPLIT=split, GROUP_PAD=group_pad, HEAD_SPLIT=head_split,
                 SPLITS_PER_PROGRAM=per_program, HEADS_FASTEST=heads_fastest, BLOCK_Q=block_q, HEAD_DIM=head_dim,
                 IS_BF16=is_bf16, UPCAST=INTERPRET and is_bf16, KV_CHUNK=kv_chunk, BLOCK_B=BLOCK_B, TMA=tma,
-                EXP2=spec.exp == "exp2", ROUNDED_SUM=spec.row_sum == "sum_of_rounded_p",
-                num_warps=num_warps or shape["num_warps"], num_stages=num_stages, **LAUNCH)
+                EXP2=spec.exp == "exp2", ROUNDED_SUM=spec.row_sum == "sum_of_rounded_p", KV_FP8=kv_fp8,
+                PER_TOKEN_SCALE=per_token_scale, num_warps=num_warps or shape["num_warps"], num_stages=num_stages,
+                **LAUNCH)
+    scales = (k_scale, v_scale, *(k_scale.stride() if per_token_scale else (0, 0, 0))) if kv_fp8 else (q, q, 0, 0, 0)
     strides = (q.stride(0), q.stride(1), block_table.stride(0), k_cache.stride(0), k_cache.stride(1),
                k_cache.stride(2), out.stride(0), out.stride(1))
     head_programs = kv_heads * head_split
@@ -543,12 +594,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         part_pos = torch.full((tokens,), -1, device=q.device, dtype=torch.int32)  # -1: no sequence owns the row
         _attention_kernel[grid(triton.cdiv(max_splits, per_program))](
             q, k_arg, v_arg, out, part_m, part_l, part_a, part_pos, query_start_loc, seq_lens, block_table,
-            num_seqs, num_tiles, *strides, q_heads, max_splits, scale_log2e, group, SPLIT_PARALLEL=True, **meta)
+            num_seqs, num_tiles, *strides, q_heads, max_splits, scale_log2e, group, *scales, SPLIT_PARALLEL=True,
+            **meta)
         _merge_kernel[(tokens, q_heads)](part_m, part_l, part_a, part_pos, out, out.stride(0), out.stride(1), q_heads,
                                          max_splits, KV_SPLIT=split, HEAD_DIM=head_dim, IS_BF16=is_bf16,
                                          EXP2=spec.exp == "exp2", **LAUNCH)
     else:
         _attention_kernel[grid(1)](
             q, k_arg, v_arg, out, out, out, out, out, query_start_loc, seq_lens, block_table, num_seqs, num_tiles,
-            *strides, q_heads, 1, scale_log2e, group, SPLIT_PARALLEL=False, **meta)
+            *strides, q_heads, 1, scale_log2e, group, *scales, SPLIT_PARALLEL=False, **meta)
     return out

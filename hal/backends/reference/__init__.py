@@ -210,5 +210,14 @@ class ReferenceBackend(Backend):
         out = fp8.block_gemm(xq, x_scale, weight, weight_scale_inv, bias, out_dtype or x.dtype, spec)
         return out.reshape(*x.shape[:-1], weight.shape[0])
 
+    def fp8_write_kv(self, k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping):
+        fp8.write_kv_exact(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping,
+                           fp8.spec_of(self.contract, "reference.fp8_write_kv"))
+
+    def fp8_attention(self, q, k_cache, v_cache, k_scale, v_scale, meta: AttentionMetadata, *, scale):
+        # the read path materialised, then the contract's attention: exact by construction
+        return self.attention(q, fp8.dequantise_kv(k_cache, k_scale, q.dtype), fp8.dequantise_kv(v_cache, v_scale, q.dtype),
+                              meta, scale=scale)
+
 
 __all__ = ["ReferenceBackend", "exact"]
