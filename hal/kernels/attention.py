@@ -94,7 +94,7 @@ def _exp(x, EXP2: tl.constexpr):
 
 @triton.jit
 def _dequantise(x, scale_ptr, scale_off, key_ok, MASKED: tl.constexpr, PER_TOKEN_SCALE: tl.constexpr,
-                IS_BF16: tl.constexpr, UPCAST: tl.constexpr):
+                IS_BF16: tl.constexpr, UPCAST: tl.constexpr, OPERAND_BARRIER: tl.constexpr):
     """[fp8]'s KV read path for a (KV_CHUNK, HEAD_DIM) fp8 tile: round_act(fl32(fp32(x) * scale)), with
     each key's (token, head) scale or the layer's fixed one; keys past the sequence (masked loads: x is
     0) take scale 0, not the NaN of a never-written slot."""
@@ -111,6 +111,16 @@ def _dequantise(x, scale_ptr, scale_off, key_ok, MASKED: tl.constexpr, PER_TOKEN
             y = round_to_bf16(y)
         else:
             y = y.to(tl.bfloat16)
+    if OPERAND_BARRIER:
+        # Triton picks an MMA operand's register layout (kWidth) from the narrowest load it finds behind
+        # the operand through elementwise ops: an 8-bit load gives a wider kWidth, which regroups the MMA's
+        # K steps and so changes the fp32 sums (H200: other bits than the bf16 cache's, and decode's 16-row
+        # tiles then differ from prefill's). An identity move the compiler must keep (not pure) ends that
+        # search here, so the MMA takes the dequantised tile exactly as it takes a bf16 cache's tile.
+        if IS_BF16:
+            y = tl.inline_asm_elementwise("mov.b16 $0, $1;", "=h,h", [y], dtype=tl.bfloat16, is_pure=False, pack=1)
+        else:
+            y = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [y], dtype=tl.float32, is_pure=False, pack=1)
     return y
 
 
@@ -120,7 +130,8 @@ def _chunk(q, m, l, acc, n0, b, kvh, positions, seq_len, q_row_ok, ones, k_cache
            stride_sp, stride_sr, stride_sh,
            PAGE_SIZE: tl.constexpr, KV_CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr, IS_BF16: tl.constexpr,
            UPCAST: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr, EXP2: tl.constexpr,
-           ROUNDED_SUM: tl.constexpr, KV_FP8: tl.constexpr, PER_TOKEN_SCALE: tl.constexpr):
+           ROUNDED_SUM: tl.constexpr, KV_FP8: tl.constexpr, PER_TOKEN_SCALE: tl.constexpr,
+           OPERAND_BARRIER: tl.constexpr):
     """One KV chunk of the recurrence in the module docstring. MASKED=False only for chunks every
     row of the tile sees entirely; the unmasked formulas are the masked ones with every key visible.
     TMA: the chunk lies in one page and the caches are tensor descriptors of 2-D views whose rows
@@ -163,9 +174,9 @@ def _chunk(q, m, l, acc, n0, b, kvh, positions, seq_len, q_row_ok, ones, k_cache
             v = tl.load(v_cache_ptr + kv_off)
         if KV_FP8:
             k = _dequantise(k, k_scale_ptr, scale_rows + kvh * stride_sh, keys < seq_len, MASKED, PER_TOKEN_SCALE,
-                            IS_BF16, UPCAST)
+                            IS_BF16, UPCAST, OPERAND_BARRIER)
             v = _dequantise(v, v_scale_ptr, scale_rows + kvh * stride_sh, keys < seq_len, MASKED, PER_TOKEN_SCALE,
-                            IS_BF16, UPCAST)
+                            IS_BF16, UPCAST, OPERAND_BARRIER)
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -305,7 +316,7 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part
                       BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT_PARALLEL: tl.constexpr,
                       IS_BF16: tl.constexpr, UPCAST: tl.constexpr, KV_CHUNK: tl.constexpr, BLOCK_B: tl.constexpr,
                       TMA: tl.constexpr, EXP2: tl.constexpr, ROUNDED_SUM: tl.constexpr, KV_FP8: tl.constexpr,
-                      PER_TOKEN_SCALE: tl.constexpr):
+                      PER_TOKEN_SCALE: tl.constexpr, OPERAND_BARRIER: tl.constexpr):
     """k_cache_ptr, v_cache_ptr: pointers, or with TMA tensor descriptors (``_chunk``); with KV_FP8 the
     caches are fp8 and k_scale_ptr / v_scale_ptr their (pages, P, Hkv) scales (strides stride_s*) or,
     without PER_TOKEN_SCALE, one fixed scale each."""
@@ -361,7 +372,7 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part
                            block_table_ptr, stride_bt, stride_kp, stride_kr, stride_kh, scale_log2e, offs_d,
                            k_scale_ptr, v_scale_ptr, stride_sp, stride_sr, stride_sh,
                            PAGE_SIZE, KV_CHUNK, HEAD_DIM, IS_BF16, UPCAST, False, TMA, EXP2, ROUNDED_SUM, KV_FP8,
-                           PER_TOKEN_SCALE)
+                           PER_TOKEN_SCALE, OPERAND_BARRIER)
         big_m, big_l, big_a, m, l, acc = _end_of_chunk(
             big_m, big_l, big_a, m, l, acc, n0, hi, q_row_ok, positions, token, head, num_q_heads, max_splits,
             part_m_ptr, part_l_ptr, part_a_ptr, offs_d, HEAD_DIM, KV_CHUNK, KV_SPLIT, SPLIT_PARALLEL, SPLITS_PER_PROGRAM,
@@ -371,7 +382,7 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part
                            block_table_ptr, stride_bt, stride_kp, stride_kr, stride_kh, scale_log2e, offs_d,
                            k_scale_ptr, v_scale_ptr, stride_sp, stride_sr, stride_sh,
                            PAGE_SIZE, KV_CHUNK, HEAD_DIM, IS_BF16, UPCAST, True, TMA, EXP2, ROUNDED_SUM, KV_FP8,
-                           PER_TOKEN_SCALE)
+                           PER_TOKEN_SCALE, OPERAND_BARRIER)
         big_m, big_l, big_a, m, l, acc = _end_of_chunk(
             big_m, big_l, big_a, m, l, acc, n0, hi, q_row_ok, positions, token, head, num_q_heads, max_splits,
             part_m_ptr, part_l_ptr, part_a_ptr, offs_d, HEAD_DIM, KV_CHUNK, KV_SPLIT, SPLIT_PARALLEL, SPLITS_PER_PROGRAM,
@@ -574,8 +585,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                 SPLITS_PER_PROGRAM=per_program, HEADS_FASTEST=heads_fastest, BLOCK_Q=block_q, HEAD_DIM=head_dim,
                 IS_BF16=is_bf16, UPCAST=INTERPRET and is_bf16, KV_CHUNK=kv_chunk, BLOCK_B=BLOCK_B, TMA=tma,
                 EXP2=spec.exp == "exp2", ROUNDED_SUM=spec.row_sum == "sum_of_rounded_p", KV_FP8=kv_fp8,
-                PER_TOKEN_SCALE=per_token_scale, num_warps=num_warps or shape["num_warps"], num_stages=num_stages,
-                **LAUNCH)
+                PER_TOKEN_SCALE=per_token_scale, OPERAND_BARRIER=kv_fp8 and not INTERPRET,
+                num_warps=num_warps or shape["num_warps"], num_stages=num_stages, **LAUNCH)
     scales = (k_scale, v_scale, *(k_scale.stride() if per_token_scale else (0, 0, 0))) if kv_fp8 else (q, q, 0, 0, 0)
     strides = (q.stride(0), q.stride(1), block_table.stride(0), k_cache.stride(0), k_cache.stride(1),
                k_cache.stride(2), out.stride(0), out.stride(1))
