@@ -267,6 +267,7 @@ def main(argv=None) -> int:
     parser.add_argument("--only", default="gemm,decode,prefill")
     parser.add_argument("--budget-s", type=float, default=540, help="stop starting new cells after this many seconds")
     parser.add_argument("--seed", type=int, default=0, help="the cell order's shuffle")
+    parser.add_argument("--gemm-m", default=None, help="GEMM cells at these M only (comma-separated; default all)")
     parser.add_argument("--json", required=True)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -275,6 +276,9 @@ def main(argv=None) -> int:
     backend = create_backend("cuda")
     only = args.only.split(",")
     cells = ([c for op in only for c in {"gemm": gemm_cells, "decode": decode_cells, "prefill": prefill_cells}[op]()])
+    if args.gemm_m:
+        keep = {int(m) for m in args.gemm_m.split(",")}
+        cells = [c for c in cells if c["op"] != "gemm" or c["m"] in keep]
     random.Random(args.seed).shuffle(cells)
     fa3 = flash_attention_3() if "decode" in only else None
     t0 = time.time()

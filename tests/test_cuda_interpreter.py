@@ -237,14 +237,14 @@ def test_gpu_gemm_launch_shapes_fit_hopper_and_the_contract(monkeypatch):
 
     monkeypatch.setattr(gemm, "INTERPRET", False)
     seen = 0
-    for m in (1, 16, 17, 64, 65, 128, 256, 257, 1024, 8192):
+    for m in (1, 16, 17, 32, 33, 64, 65, 128, 256, 257, 1024, 8192):
         for n, k in ((40, 1100), (4096, 4096), (14336, 4096), (4096, 14336), (152064, 4096)):
             for tma in (True, False):
                 for sms in (78, 132):
                     cfg = gemm._config(m, n, k, _gemm_spec(512), tma=tma, sms=sms)
                     assert _launch_problems(cfg, 512, tma) == [], (m, n, k, tma, cfg)
                     seen += 1
-    assert seen == 10 * 5 * 2 * 2
+    assert seen == 12 * 5 * 2 * 2
     bad = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=96, tma=True, num_stages=5)
     assert len(_launch_problems(bad, 512, tma_allowed=False)) == 4
 
