@@ -16,6 +16,10 @@ Reduction structure (contract [attention], read from the ``Attention`` section: 
   splits are merged in ascending order into (M, L, A), starting from (-inf, 0, 0):
       M' = max(M, m); a = exp2(M - M'); b = exp2(m - M'); L = fl(L*a) + fl(l*b); A = fl(A*a) + fl(acc*b)
   out = round_act(div_rn(A, L)).
+An FP8 KV cache ([fp8], ``hal.fp8.Fp8KVCache``) is read through [fp8]'s one read path: each K/V tile is
+dequantised as it is loaded, k = round_act(fl32(fp32(k_fp8) * scale)), and the recurrence above runs
+on it unchanged: the bits of the same kernel over a bf16 cache holding the dequantised values
+(``_dequantise`` says what keeps the MMA's operand layout, and so its sums, the same).
 
 A program owns BLOCK_Q query tokens of one sequence times the query heads that share one KV head
 (rows = token x head), or a slice of those heads (``HEAD_SPLIT`` programs per KV head). Free launch
