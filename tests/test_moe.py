@@ -445,3 +445,45 @@ def test_qwen3_moe_config_reads_hf_keys_and_refuses_what_it_cannot_honour():
         ModelConfig.from_hf({**hf, "topk_method": "group_limited_greedy"})
     with pytest.raises(UnsupportedError, match="needs architecture 'qwen3_moe'"):
         tiny_config("qwen3", num_experts=4)
+
+
+class SwappedGateUpBackend(ReferenceBackend):
+    """Planted bug for the kit's level 5: the expert GEMM reads [up | gate] as [gate | up]."""
+
+    name = "swapped-gate-up"
+
+    def moe_experts(self, x, w13, w2, topk_weights, topk_ids, shared=None):
+        half = w13.shape[1] // 2
+        return super().moe_experts(x, torch.cat([w13[:, half:], w13[:, :half]], 1), w2, topk_weights, topk_ids, shared)
+
+
+class OffByOneRouterBackend(ReferenceBackend):
+    """Planted bug for the kit's level 5: the last chosen expert is the next one."""
+
+    name = "off-by-one-router"
+
+    def moe_route(self, router_logits, routing, correction_bias=None):
+        weights, ids = super().moe_route(router_logits, routing, correction_bias)
+        ids = ids.clone()
+        ids[:, -1] = (ids[:, -1] + 1) % routing.num_experts
+        return weights, ids
+
+
+@pytest.mark.parametrize("backend_name", ["reference", "cuda"])
+def test_the_kits_moe_accuracy_level_passes_and_catches_planted_bugs(request, backend_name):
+    """Level 5 for the MoE ops (``hal.conformance.bounds``): routing equals the fp64 oracle's choice on
+    rows without near-ties (softmax top-4; group-limited sigmoid top-3 with a correction bias) and its
+    weights are within 64 fp32 ulps; a whole layer of 8 experts is within the bound propagated through
+    [moe]'s rounding points, across the 512 K chunk (hidden 600), in bf16 and fp32. Negative controls:
+    swapped gate/up halves, and an off-by-one expert choice, each fail."""
+    from hal.conformance.runner import CHECKS
+
+    backend = REF if backend_name == "reference" else request.getfixturevalue("cuda")
+    cases = [(17, 600), (3, 17)] if backend_name == "reference" else [(5, 600)]
+    for op in ("moe_route", "moe_experts"):
+        for size, width in cases:
+            for dtype in ("bfloat16", "float32"):
+                assert CHECKS["accuracy"](backend, op=op, size=size, width=width, dtype=dtype, seed=5) == [], \
+                    (op, size, width, dtype)
+    assert CHECKS["accuracy"](SwappedGateUpBackend(MOE), op="moe_experts", size=17, width=64, dtype="bfloat16", seed=5)
+    assert CHECKS["accuracy"](OffByOneRouterBackend(MOE), op="moe_route", size=17, width=64, dtype="bfloat16", seed=5)

@@ -16,6 +16,13 @@ implementation-defined (the order inside one reduction chunk, exp/log to a few u
   log_softmax   |err| <= 2**-18 (1 + |x/T| + max|x/T| + |logp|)
   sum, mean     |err| <= (2 log2(block) + blocks + 2) u sum|x|   (mean: / n, + u |mean|)
   topk, write_kv exact
+  moe_route     the fp64 oracle's experts exactly on rows without a near-tie at the k-th choice (gap > 1e-5);
+                weights |err| <= 64 u |w| there
+  moe_experts   through each rounding point of [moe]'s expert path (gate/up rounded, SiLU*up rounded, the
+                down GEMM in fp32, the weighted fp32 combine rounded once), twice the propagated bound:
+                dgu = r|gu| + G(H) |x||w13|;  dh = 1.1 dg (|u| + du) + |silu g| du + (r + 32 u)(|h| + ...);
+                dy = |w2| dh + G(I) |w2||h|;  dout = sum_k |w_k| dy_k + 4k u sum_k |w_k y_k| + r |out|
+                (G(K) = (2 ceil(K/16) + 2 chunks + 2) u, the linear bound above)
 """
 
 from __future__ import annotations
@@ -159,4 +166,90 @@ def accuracy_problems(backend: Backend, op: str, size: int, width: int, dtype: t
         untouched[slots[keep]] = False
         ok = ok and bool((flat_k[untouched] == 0).all()) and bool((flat_v[untouched] == 0).all())
         return [] if ok else [f"write_kv T={size} D={width}: cache slots do not hold exactly the written K/V"]
+    if op in ("moe_route", "moe_experts"):
+        return _moe_accuracy_problems(backend, op, size, width, dtype, g)
     raise ValueError(f"no accuracy check for op {op!r}")
+
+
+def _gemm_rel(backend: Backend, k: int) -> float:
+    chunks = backend.contract.gemm.chunk_count(k) if backend.contract else 1
+    return (2 * math.ceil(k / 16) + 2 * chunks + 2) * U
+
+
+def oracle_route(logits: torch.Tensor, routing, bias: torch.Tensor | None):
+    """fp64 routing of fp32 router logits: (weights, ids, the gap between the k-th and (k+1)-th choice).
+    Group-limited routing keeps the groups with the largest sum of their two best choices."""
+    x = logits.double()
+    scores = torch.softmax(x, -1) if routing.scoring == "softmax" else torch.sigmoid(x)
+    choice = scores if bias is None else scores + bias.double()
+    if routing.num_groups > 1:
+        grouped = choice.view(x.shape[0], routing.num_groups, -1)
+        kept = grouped.topk(2, -1).values.sum(-1).topk(routing.topk_groups, -1).indices
+        keep = torch.zeros(grouped.shape[:2], dtype=torch.bool).scatter_(-1, kept, True)
+        choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view_as(x)
+    ranked = choice.topk(routing.top_k + 1, -1)
+    ids = ranked.indices[:, :-1]
+    weights = scores.gather(-1, ids)
+    if routing.renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights * routing.scaling, ids, ranked.values[:, -2] - ranked.values[:, -1]
+
+
+def _moe_accuracy_problems(backend: Backend, op: str, size: int, width: int, dtype: torch.dtype,
+                           g: torch.Generator) -> list[str]:
+    from hal.moe import Routing
+
+    dev = backend.device
+    r = act_rel(dtype)
+    if op == "moe_route":
+        experts = 16 if width < 64 else 64
+        logits = random_tensor((size, experts), torch.float32, g, scale=2.0, device=dev)
+        bias = random_tensor((experts,), torch.float32, g, scale=0.05, device=dev)
+        problems = []
+        for label, routing, b in (("softmax top-4", Routing(experts, 4), None),
+                                  ("sigmoid group-limited top-3 + bias",
+                                   Routing(experts, 3, scoring="sigmoid", num_groups=4, topk_groups=2, scaling=2.5),
+                                   bias)):
+            weights, ids = backend.moe_route(logits, routing, b)
+            want_w, want_ids, gap = oracle_route(logits.cpu(), routing, None if b is None else b.cpu())
+            clear = gap > 1e-5
+            if not torch.equal(ids.cpu().long()[clear], want_ids[clear]):
+                rows = (ids.cpu().long() != want_ids).any(-1) & clear
+                problems.append(f"moe_route {label} T={size} E={experts}: {int(rows.sum())} rows without a near-tie "
+                                f"chose other experts than the fp64 oracle")
+                continue
+            problems += _check(f"moe_route {label} weights T={size} E={experts}", weights.cpu()[clear], want_w[clear],
+                               64 * U * want_w[clear].abs())
+        return problems
+    # moe_experts: a layer of 8 experts, top-2, hidden = width, intermediate 40
+    hidden, inter, experts, k = width, 40, 8, 2
+    x = random_tensor((size, hidden), dtype, g, device=dev)
+    w13 = random_tensor((experts, 2 * inter, hidden), dtype, g, scale=hidden ** -0.5, device=dev)
+    w2 = random_tensor((experts, hidden, inter), dtype, g, scale=inter ** -0.5, device=dev)
+    weights, ids = backend.moe_route(random_tensor((size, experts), torch.float32, g, device=dev), Routing(experts, k))
+    got = backend.moe_experts(x, w13, w2, weights, ids).cpu()
+    xd, w13d, w2d = x.cpu().double(), w13.cpu().double(), w2.cpu().double()
+    wd, idc = weights.cpu().double(), ids.cpu().long()
+    g_h, g_i = _gemm_rel(backend, hidden), _gemm_rel(backend, inter)
+    exact = torch.zeros(size, hidden, dtype=torch.float64)
+    spread = torch.zeros(size, hidden, dtype=torch.float64)     # sum_k |w_k| dy_k
+    magnitude = torch.zeros(size, hidden, dtype=torch.float64)  # sum_k |w_k y_k|
+    for slot in range(k):
+        e = idc[:, slot]
+        gu = torch.einsum("th,tnh->tn", xd, w13d[e])
+        mag13 = torch.einsum("th,tnh->tn", xd.abs(), w13d[e].abs())
+        dgu = r * gu.abs() + (1 + r) * g_h * mag13
+        (gate, up), (dg, du) = gu.chunk(2, -1), dgu.chunk(2, -1)
+        silu = gate * torch.sigmoid(gate)
+        h = silu * up
+        dh = 1.1 * dg * (up.abs() + du) + silu.abs() * du
+        dh = dh + (r + 32 * U) * (h.abs() + dh)
+        y = torch.einsum("ti,thi->th", h, w2d[e])
+        mag2 = torch.einsum("ti,thi->th", h.abs() + dh, w2d[e].abs())
+        dy = torch.einsum("ti,thi->th", dh, w2d[e].abs()) + g_i * mag2
+        w_slot = wd[:, slot:slot + 1]
+        exact += w_slot * y
+        spread += w_slot.abs() * dy
+        magnitude += (w_slot * y).abs()
+    bound = 2 * (spread + 4 * k * U * magnitude + r * (exact.abs() + spread))
+    return _check(f"moe_experts T={size} H={hidden} I={inter} E={experts} k={k}", got, exact, bound)

@@ -32,12 +32,17 @@ def out_features(depth: str):
     return st.sampled_from(OUT_FEATURES[depth])
 
 
-def row_op_cases(backend, depth: str, op: str) -> dict:
-    """Hypothesis strategies for the row functions of ``op`` (``checks.op_row_functions``): which
-    variant, row width, output features (GEMM), dtype and seed."""
+def skip_unless_in_contract(backend, op: str) -> None:
+    """An MoE op under a contract without [moe]: the report's "not in the contract" (not a failure)."""
     if op in MOE_OPS and (backend.contract is None or backend.contract.moe is None):
         pytest.skip(f"{NOT_IN_CONTRACT}{op}: contract {backend.contract} has no [moe] section (run the kit with "
                     f"--contract bf16-moe-v1 for the MoE ops)")
+
+
+def row_op_cases(backend, depth: str, op: str) -> dict:
+    """Hypothesis strategies for the row functions of ``op`` (``checks.op_row_functions``): which
+    variant, row width, output features (GEMM), dtype and seed."""
+    skip_unless_in_contract(backend, op)
     variants = [v for v in ROW_OPS if OP_OF[v] == op]
     return dict(row_op=st.sampled_from(variants), width=widths(depth), out=out_features(depth),
                 dtype=st.sampled_from(dtypes_for(backend, op)), seed=st.integers(0, 2 ** 16))
