@@ -100,7 +100,8 @@ def test_broken_example_is_caught_at_the_right_levels_with_a_working_repro(tmp_p
     # Every single call is deterministic and accurate: the invariances break. (Its large-batch top-k
     # also breaks ties toward the higher index, which the accuracy level checks against the contract.)
     assert {s for op, s in statuses(data, 1).items() if op not in ("moe_route", "moe_experts")} == {"pass"}
-    assert {op for op, s in statuses(data, 5).items() if s != "pass"} == {"topk"}
+    assert {op for op, s in statuses(data, 5).items() if s != "pass" and op not in ("moe_route", "moe_experts")} \
+        == {"topk"}
     assert statuses(data, 6) == {"contract": "pass"}
     level2 = statuses(data, 2)
     assert {op for op, s in level2.items() if s == "fail"} >= {"linear", "log_softmax", "sum"}, level2
