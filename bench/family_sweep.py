@@ -33,9 +33,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from bench_cuda import copies     # input copies to rotate over so that replays do not run from L2
 from hal.api import create_backend
-
-L2_BYTES = 60 << 20
 
 # (hidden, intermediate, query heads, KV heads, head dim, vocab) of each model's public config
 MODELS = {
@@ -59,10 +58,6 @@ def linears(hidden, inter, hq, hkv, hd, vocab):
     """(name, N, K) of a decoder's linears (merged qkv and gate_up, as vLLM and hal.model run them)."""
     return [("qkv", (hq + 2 * hkv) * hd, hidden), ("o", hidden, hq * hd), ("gate_up", 2 * inter, hidden),
             ("down", hidden, inter), ("lm_head", vocab, hidden)]
-
-
-def copies(nbytes: int) -> int:
-    return max(1, min(8, -(-2 * L2_BYTES // max(1, nbytes))))
 
 
 def graph_ms(calls, target_ms: float = 2.0) -> float:

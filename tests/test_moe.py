@@ -24,6 +24,7 @@ from hal.api import create_backend
 from hal.backends.reference import ReferenceBackend
 from hal.backends.reference.exact import matmul_fp32
 from hal.backends.stock import TorchBackend
+from hal.conformance.bounds import oracle_route
 from hal.contract import load_contract, parse_contract
 from hal.errors import ContractError, UnsupportedError
 from hal.model import DecoderLM, tiny_config
@@ -151,24 +152,6 @@ def test_moe_inputs_are_checked(backend):
 # ---------------------------------------------------------------------------------------------
 # Routing
 # ---------------------------------------------------------------------------------------------
-
-def oracle_route(logits, routing, bias):
-    """fp64 routing; returns (weights, ids, the gap between the k-th and (k+1)-th choice)."""
-    x = logits.double()
-    scores = torch.softmax(x, -1) if routing.scoring == "softmax" else torch.sigmoid(x)
-    choice = scores if bias is None else scores + bias.double()
-    if routing.num_groups > 1:
-        grouped = choice.view(x.shape[0], routing.num_groups, -1)
-        kept = grouped.topk(2, -1).values.sum(-1).topk(routing.topk_groups, -1).indices
-        keep = torch.zeros(grouped.shape[:2], dtype=torch.bool).scatter_(-1, kept, True)
-        choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view_as(x)
-    ranked = choice.topk(routing.top_k + 1, -1)
-    ids = ranked.indices[:, :-1]
-    weights = scores.gather(-1, ids)
-    if routing.renormalize:
-        weights = weights / weights.sum(-1, keepdim=True)
-    return weights * routing.scaling, ids, ranked.values[:, -2] - ranked.values[:, -1]
-
 
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_routing_matches_the_fp64_oracle(backend, scheme):

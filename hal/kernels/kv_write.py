@@ -30,20 +30,26 @@ from hal.kernels.fp8_gemm import _FORMAT_BITS, round_to_fp8
 
 
 @triton.jit
-def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
-                     stride_kp, stride_kr, stride_kh_cache, stride_vp, stride_vr, stride_vh_cache, page_size,
-                     capacity, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    token = tl.program_id(0)
-    head = tl.program_id(1)
+def _slot(slot_ptr, token, page_size, capacity, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """(offs, keep, page, row) of ``token``'s slot: slot -1 (or one past the cache) stores nothing; a
+    (BLOCK_D,) mask throughout (the interpreter turns a scalar bool broadcast into the vector mask into int32)."""
     slot = tl.load(slot_ptr + token).to(tl.int64)
     offs = tl.arange(0, BLOCK_D)
-    # slot -1: nothing is stored, nor past the cache; a (BLOCK_D,) mask throughout (the interpreter turns a
-    # scalar bool broadcast into the vector mask into int32)
     slot_row = slot + tl.zeros([BLOCK_D], dtype=tl.int64)
     valid = (slot_row >= 0) & (slot_row < capacity)
     keep = (offs < HEAD_DIM) & valid
     page = tl.where(valid, slot_row, 0) // page_size
     row = tl.where(valid, slot_row, 0) % page_size
+    return offs, keep, page, row
+
+
+@triton.jit
+def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
+                     stride_kp, stride_kr, stride_kh_cache, stride_vp, stride_vr, stride_vh_cache, page_size,
+                     capacity, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    offs, keep, page, row = _slot(slot_ptr, token, page_size, capacity, HEAD_DIM, BLOCK_D)
     t = token.to(tl.int64)
     k = tl.load(k_ptr + t * stride_kt + head * stride_kh + offs, mask=keep)
     v = tl.load(v_ptr + t * stride_vt + head * stride_vh + offs, mask=keep)
@@ -51,26 +57,33 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_kt
     tl.store(v_cache_ptr + page * stride_vp + row * stride_vr + head * stride_vh_cache + offs, v, mask=keep)
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """k, v (T, Hkv, D) into caches (pages, P, Hkv, D) at flat slots ``page * P + row``; slot -1 skips.
-    The caches may be strided views (vLLM keeps K and V side by side); head_dim must be contiguous."""
+def _checked_slots(op: str, k, v, k_cache, v_cache, slot_mapping) -> tuple[torch.Tensor, int]:
+    """The checks both writes share (contiguous head_dim, rows that fit the caches, on the CPU no slot past
+    the caches); returns (contiguous integer slots, the caches' slot count)."""
     for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
         if t.stride(-1) != 1:
-            raise UnsupportedError(f"write_kv: {name}'s head_dim must be contiguous (stride 1); got strides "
+            raise UnsupportedError(f"{op}: {name}'s head_dim must be contiguous (stride 1); got strides "
                                    f"{tuple(t.stride())}")
     if k_cache.shape[2:] != k.shape[1:]:
-        raise UnsupportedError(f"write_kv: rows (T, Hkv, D) = {tuple(k.shape)} do not fit caches of shape "
+        raise UnsupportedError(f"{op}: rows (T, Hkv, D) = {tuple(k.shape)} do not fit caches of shape "
                                f"{tuple(k_cache.shape)} (pages, P, Hkv, D)")
-    tokens, heads, head_dim = k.shape
     capacity = k_cache.shape[0] * k_cache.shape[1]
     if slot_mapping.device.type == "cpu":    # reading values is free here; on a device it would synchronise
         high = int(slot_mapping.max())
         if high >= capacity:
-            raise UnsupportedError(f"write_kv: slot {high} is outside the caches' {capacity} slots")
+            raise UnsupportedError(f"{op}: slot {high} is outside the caches' {capacity} slots")
     slots = slot_mapping if slot_mapping.dtype in (torch.int32, torch.int64) else slot_mapping.long()
+    return slots.contiguous(), capacity
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """k, v (T, Hkv, D) into caches (pages, P, Hkv, D) at flat slots ``page * P + row``; slot -1 skips.
+    The caches may be strided views (vLLM keeps K and V side by side); head_dim must be contiguous."""
+    slots, capacity = _checked_slots("write_kv", k, v, k_cache, v_cache, slot_mapping)
+    tokens, heads, head_dim = k.shape
     _write_kv_kernel[(tokens, heads)](
-        k, v, k_cache, v_cache, slots.contiguous(), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k, v, k_cache, v_cache, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), k_cache.shape[1], capacity, HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim), **LAUNCH)
 
@@ -88,13 +101,7 @@ def _write_kv_fp8_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_
     scale; slot -1 stores nothing, as in ``_write_kv_kernel``."""
     token = tl.program_id(0)
     head = tl.program_id(1)
-    slot = tl.load(slot_ptr + token).to(tl.int64)
-    offs = tl.arange(0, BLOCK_D)
-    slot_row = slot + tl.zeros([BLOCK_D], dtype=tl.int64)
-    valid = (slot_row >= 0) & (slot_row < capacity)
-    keep = (offs < HEAD_DIM) & valid
-    page = tl.where(valid, slot_row, 0) // page_size
-    row = tl.where(valid, slot_row, 0) % page_size
+    offs, keep, page, row = _slot(slot_ptr, token, page_size, capacity, HEAD_DIM, BLOCK_D)
     t = token.to(tl.int64)
     cache_off = page * stride_cp + row * stride_cr + head * stride_ch + offs
     scale_off = page * stride_sp + row * stride_sr + head * stride_sh     # (BLOCK_D,) copies of one offset
@@ -129,25 +136,16 @@ def write_kv_fp8(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
     """``write_kv`` into an FP8 KV cache (``hal.fp8.Fp8KVCache``'s layout: K and V caches of one shape and
     strides, per-token-head scales (pages, P, Hkv) of one shape and strides, or 0-dim fixed scales),
     quantising as [fp8] says: the same bits as ``hal.fp8.write_kv_exact``. One launch, no host sync."""
-    for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.stride(-1) != 1:
-            raise UnsupportedError(f"fp8 write_kv: {name}'s head_dim must be contiguous (stride 1); got strides "
-                                   f"{tuple(t.stride())}")
+    slots, capacity = _checked_slots("fp8 write_kv", k, v, k_cache, v_cache, slot_mapping)
     if k_cache.stride() != v_cache.stride() or k_scale.stride() != v_scale.stride():
         raise UnsupportedError("fp8 write_kv: the K and V caches (and their scales) must have the same strides")
     tokens, heads, head_dim = k.shape
-    capacity = k_cache.shape[0] * k_cache.shape[1]
-    if slot_mapping.device.type == "cpu":
-        high = int(slot_mapping.max())
-        if high >= capacity:
-            raise UnsupportedError(f"fp8 write_kv: slot {high} is outside the caches' {capacity} slots")
     per_token = spec.kv_scale == "per_token_head"
     scale_strides = k_scale.stride() if per_token else (0, 0, 0)
     mant, min_exp = _FORMAT_BITS[spec.kv_format]
     floor = float(torch.tensor(spec.amax_floor, dtype=torch.float32))   # fl32(floor)
-    slots = slot_mapping if slot_mapping.dtype in (torch.int32, torch.int64) else slot_mapping.long()
     _write_kv_fp8_kernel[(tokens, heads)](
-        k, v, k_cache, v_cache, k_scale, v_scale, slots.contiguous(), k.stride(0), k.stride(1), v.stride(0),
+        k, v, k_cache, v_cache, k_scale, v_scale, slots, k.stride(0), k.stride(1), v.stride(0),
         v.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *scale_strides, k_cache.shape[1],
         capacity, floor, spec.fmax(spec.kv_format), HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim),
         PER_TOKEN_HEAD=per_token, MANT=mant, MIN_EXP=min_exp, OUT_E5M2=spec.kv_format == "e5m2", **LAUNCH)
