@@ -45,10 +45,15 @@ def routing_of(shape):
     return Routing(shape["experts"], shape["top_k"], renormalize=True)
 
 
-def run_layer(backend, x, w, routing):
+def run_layer(backend, x, w, routing, cfg=None):
+    """The whole layer: router GEMM, routing, experts (``cfg``: a grouped-GEMM launch instead of the default)."""
     logits = backend.linear(x, w["router"], out_dtype=torch.float32)
     weights, ids = backend.moe_route(logits, routing, w["bias"] if routing.scoring == "sigmoid" else None)
-    return backend.moe_experts(x, w["w13"], w["w2"], weights, ids), weights, ids
+    if cfg is None:
+        return backend.moe_experts(x, w["w13"], w["w2"], weights, ids), weights, ids
+    from hal.kernels import moe as kernels
+    return kernels.experts(x, w["w13"], w["w2"], weights, ids, None, backend.contract.gemm, backend.silu_mul,
+                           cfg), weights, ids
 
 
 def timed(fn, repeats=20):
@@ -63,6 +68,25 @@ def timed(fn, repeats=20):
         end.synchronize()
         times.append(start.elapsed_time(end) * 1000)
     return statistics.median(times)
+
+
+def graph_timed(fn, repeats=20):
+    """Median replay time (us) of ``fn`` captured in a CUDA graph, as vLLM runs a decode step's layers;
+    (None, reason) when it cannot be captured (a host synchronisation inside, for one)."""
+    try:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+    except Exception as exc:  # noqa: BLE001 - report why it is not capturable, go on
+        torch.cuda.synchronize()
+        return None, f"{type(exc).__name__}: {str(exc)[:200]}"
+    return timed(graph.replay, repeats), None
 
 
 def checks(cuda, ref, shapes):
@@ -103,13 +127,17 @@ def vllm_moe():
         return None
 
 
-def timing(cuda, tokens, shape):
+def timing(cuda, tokens, shape, best=None):
+    """Eager and CUDA-graph times of our layer and vLLM's; ``best``: {tokens: the sweep's fastest
+    grouped-GEMM launch}, timed beside the default (same bits: the sweep checked)."""
     routing = routing_of(shape)
     w = layer(shape)
     vllm = vllm_moe()
     rows = []
     print(f"{'T':>6} {'hal layer us':>13} {'hal experts us':>15} {'vllm layer us':>14} {'vllm experts us':>16} "
-          f"{'experts ratio':>14} (vLLM time / ours: >= 1 means ours is as fast)", flush=True)
+          f"{'experts ratio':>14} {'graph: hal layer':>17} {'vllm layer':>11} {'ratio':>6} "
+          f"(eager: CUDA events around each call; graph: one captured layer replayed; ratio = vLLM time / ours)",
+          flush=True)
     for t in tokens:
         x = torch.randn(t, shape["hidden"], generator=torch.Generator().manual_seed(t)).to(torch.bfloat16).cuda()
         logits = cuda.linear(x, w["router"], out_dtype=torch.float32)
@@ -117,6 +145,13 @@ def timing(cuda, tokens, shape):
         row = {"tokens": t,
                "hal_layer_us": timed(lambda: run_layer(cuda, x, w, routing)),
                "hal_experts_us": timed(lambda: cuda.moe_experts(x, w["w13"], w["w2"], weights, ids))}
+        row["hal_layer_graph_us"], why = graph_timed(lambda: run_layer(cuda, x, w, routing))
+        if why:
+            row["hal_graph_error"] = why
+        if best and t in best:
+            row["best_cfg"] = best[t]
+            row["hal_layer_best_us"] = timed(lambda: run_layer(cuda, x, w, routing, best[t]))
+            row["hal_layer_best_graph_us"], _ = graph_timed(lambda: run_layer(cuda, x, w, routing, best[t]))
         if vllm is not None:
             fused_topk, fused_experts = vllm
 
@@ -130,17 +165,34 @@ def timing(cuda, tokens, shape):
                 row["vllm_experts_us"] = timed(lambda: fused_experts(x, w["w13"], w["w2"], tw, ti))
                 row["experts_ratio"] = row["vllm_experts_us"] / row["hal_experts_us"]
                 row["layer_ratio"] = row["vllm_layer_us"] / row["hal_layer_us"]
+                row["vllm_layer_graph_us"], why = graph_timed(vllm_layer)
+                if why:
+                    row["vllm_graph_error"] = why
+                if row["hal_layer_graph_us"] and row["vllm_layer_graph_us"]:
+                    row["layer_graph_ratio"] = row["vllm_layer_graph_us"] / row["hal_layer_graph_us"]
+                if row.get("hal_layer_best_graph_us") and row["vllm_layer_graph_us"]:
+                    row["layer_best_graph_ratio"] = row["vllm_layer_graph_us"] / row["hal_layer_best_graph_us"]
             except Exception as exc:  # noqa: BLE001 - the bundle may lack vLLM's MoE ops: say so, go on
                 print(f"vLLM fused MoE failed: {type(exc).__name__}: {exc}", flush=True)
                 vllm = None
         print(f"{t:>6} {row['hal_layer_us']:>13.1f} {row['hal_experts_us']:>15.1f} "
               f"{row.get('vllm_layer_us', float('nan')):>14.1f} {row.get('vllm_experts_us', float('nan')):>16.1f} "
-              f"{row.get('experts_ratio', float('nan')):>14.3f}", flush=True)
+              f"{row.get('experts_ratio', float('nan')):>14.3f} {row.get('hal_layer_graph_us') or float('nan'):>17.1f} "
+              f"{row.get('vllm_layer_graph_us') or float('nan'):>11.1f} {row.get('layer_graph_ratio', float('nan')):>6.3f}",
+              flush=True)
+        if "best_cfg" in row:
+            print(f"  the sweep's fastest launch {row['best_cfg']}: eager {row['hal_layer_best_us']:.1f} us, graph "
+                  f"{row['hal_layer_best_graph_us'] or float('nan'):.1f} us, vLLM graph / ours "
+                  f"{row.get('layer_best_graph_ratio', float('nan')):.3f}", flush=True)
+        for key in ("hal_graph_error", "vllm_graph_error"):
+            if key in row:
+                print(f"  {key}: {row[key]}", flush=True)
         rows.append(row)
     return rows
 
 
-SWEEP = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st)
+SWEEP = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st, tma=tma)
+         for tma in (False, True)
          for bm, bn, bk, w, st in [(16, 64, 128, 4, 3), (16, 128, 128, 4, 3), (16, 256, 64, 8, 2), (32, 128, 128, 4, 3),
                                    (32, 256, 64, 8, 3), (64, 128, 64, 4, 3), (64, 256, 64, 8, 3), (128, 128, 64, 8, 3),
                                    (128, 256, 64, 8, 3)]]
@@ -220,11 +272,13 @@ def main(argv=None):
     report = {"device": torch.cuda.get_device_name(), "qwen3_30b_a3b": QWEN3_30B, "deepseek_style": DEEPSEEK_STYLE}
     if not args.no_checks:
         report["checks"] = checks(cuda, ref, {"qwen3_30b_a3b": QWEN3_30B, "deepseek_style": DEEPSEEK_STYLE})
-    if args.tokens:
-        report["timing_qwen3_30b_a3b"] = timing(cuda, [int(t) for t in args.tokens.split(",")], QWEN3_30B)
+    best = None
     if args.sweep:
         report["sweep_qwen3_30b_a3b"] = sweep(cuda, [int(t) for t in (args.tokens or "1,64,512,2048,8192").split(",")],
                                               QWEN3_30B)
+        best = {row["tokens"]: row["best"] for row in report["sweep_qwen3_30b_a3b"]}
+    if args.tokens:
+        report["timing_qwen3_30b_a3b"] = timing(cuda, [int(t) for t in args.tokens.split(",")], QWEN3_30B, best)
     if args.model:
         report["model"] = model_check()
     with open(args.json, "w") as f:

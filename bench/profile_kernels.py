@@ -39,7 +39,20 @@ CASES = {
     "decode_b1_32k": "decode B=1 ctx=32768: ours (page 16, NHD) vs SDPA",
     "decode_b8_4k": "decode B=8 ctx=4096: ours in NHD/HND order at pages 16/64 vs SDPA",
     "decode_b64_32k": "decode B=64 ctx=32768: ours NHD16 / HND64 vs SDPA",
+    # the family sweep's weakest classes (bench/results/h200-2026-12-02-session9): mid-M GEMMs and small-B decode
+    "gemm_m128_k12288": "GEMM M=128 N=4096 K=12288 (an 8B down_proj in a decode batch): ours vs torch.mm",
+    "gemm_m512_n6144": "GEMM M=512 N=6144 K=4096 (an 8B qkv_proj): ours vs torch.mm",
+    "decode_b4_8k_gqa5": "decode B=4 ctx=8192, 40/8 heads, 32-key pages (GQA 5): ours (NHD32) vs SDPA",
+    "decode_b256_1k": "decode B=256 ctx=1024, 16/8 heads, 16-key pages (a vLLM 1.7B step): ours (NHD16) vs SDPA",
 }
+GEMMS = {"gemm_m256": (256, 4096, 4096), "gemm_m1024": (1024, 14336, 4096), "gemm_m8192": (8192, 4096, 4096),
+         "gemm_m128_k12288": (128, 4096, 12288), "gemm_m512_n6144": (512, 6144, 4096)}
+# decode: (batch, context, query heads, KV heads, [(layout, page size)]); the first layout is built, others relaid
+DECODES = {"decode_b1_32k": (1, 32768, 32, 8, [("NHD", 16)]),
+           "decode_b8_4k": (8, 4096, 32, 8, [("NHD", 16), ("HND", 16), ("NHD", 64), ("HND", 64)]),
+           "decode_b64_32k": (64, 32768, 32, 8, [("NHD", 16), ("HND", 64)]),
+           "decode_b4_8k_gqa5": (4, 8192, 40, 8, [("NHD", 32)]),
+           "decode_b256_1k": (256, 1024, 16, 8, [("NHD", 16)])}
 
 
 def build(case: str):
@@ -53,8 +66,7 @@ def build(case: str):
     backend = create_backend("cuda")
     hq, hkv, d = 32, 8, 128
     if case.startswith("gemm_"):
-        m, n, k = {"gemm_m256": (256, 4096, 4096), "gemm_m1024": (1024, 14336, 4096),
-                   "gemm_m8192": (8192, 4096, 4096)}[case]
+        m, n, k = GEMMS[case]
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
         return [("ours", lambda: backend.linear(x, w)), ("cublas", lambda: torch.mm(x, w.T))]
@@ -67,13 +79,11 @@ def build(case: str):
             with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
                 return F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
         return [("ours", lambda: backend.attention(q, kc, vc, meta, scale=d ** -0.5)), ("sdpa_flash", flash)]
-    batch, ctx = {"decode_b1_32k": (1, 32768), "decode_b8_4k": (8, 4096), "decode_b64_32k": (64, 32768)}[case]
-    base = paged_problem([ctx] * batch, [1] * batch, hq, hkv, d, 16)
-    layouts = {"decode_b1_32k": [("NHD", 16)], "decode_b8_4k": [("NHD", 16), ("HND", 16), ("NHD", 64), ("HND", 64)],
-               "decode_b64_32k": [("NHD", 16), ("HND", 64)]}[case]
+    batch, ctx, hq, hkv, layouts = DECODES[case]
+    base = paged_problem([ctx] * batch, [1] * batch, hq, hkv, d, layouts[0][1])
     fns = []
     for layout, page in layouts:
-        q, kc, vc, meta = base if (layout, page) == ("NHD", 16) else relayout(base, page, layout)
+        q, kc, vc, meta = base if (layout, page) == layouts[0] else relayout(base, page, layout)
         fns.append((f"ours_{layout}{page}", lambda q=q, kc=kc, vc=vc, meta=meta:
                     backend.attention(q, kc, vc, meta, scale=d ** -0.5)))
     qs, ks, vs = sdpa_problem(batch, 1, ctx, hq, hkv, d)

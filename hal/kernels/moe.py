@@ -127,8 +127,14 @@ def route(router_logits: torch.Tensor, routing, correction_bias: torch.Tensor | 
 def _grouped_gemm_kernel(x, w, rows_ptr, tile_expert_ptr, out_ptr, num_tiles, N, K,
                          stride_xm, stride_we, stride_wn, stride_om,
                          K_CHUNK: tl.constexpr, OUT_BF16: tl.constexpr, FP32_INPUTS: tl.constexpr,
-                         UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """out[p] = x[rows[p]] @ w[e].T for the sorted positions p of each tile (e: the tile's expert)."""
+                         UPCAST: tl.constexpr, W_TMA: tl.constexpr, X_TMA: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[p] = x[rows[p]] @ w[e].T for the sorted positions p of each tile (e: the tile's expert).
+    W_TMA: ``w`` is a tensor descriptor of the (E*N, K) view with (BLOCK_N, BLOCK_K) blocks; a tile
+    past N reads the next expert's rows into columns that are never stored (each output column is
+    its own dot). X_TMA (the down projection, whose rows are the sorted positions themselves): ``x``
+    is a descriptor of (P, K) with (BLOCK_M, BLOCK_K) blocks; its padding rows hold zeros, as the
+    masked pointer loads read them. The same values reach the same MMAs either way."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(tile_expert_ptr + pid_m)
@@ -138,15 +144,22 @@ def _grouped_gemm_kernel(x, w, rows_ptr, tile_expert_ptr, out_ptr, num_tiles, N,
         offs_k = tl.arange(0, BLOCK_K)
         rows = tl.load(rows_ptr + offs_m)
         row_ok = rows >= 0                            # padding positions read zeros, store nothing
-        w_e = w + expert.to(tl.int64) * stride_we
+        if not W_TMA:
+            w_e = w + expert.to(tl.int64) * stride_we
         total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + offs_k
-            a = tl.load(x + rows.to(tl.int64)[:, None] * stride_xm + ks[None, :],
-                        mask=row_ok[:, None] & (ks[None, :] < K), other=0.0)
-            b = tl.load(w_e + offs_n[None, :] * stride_wn + ks[:, None],
-                        mask=(offs_n[None, :] < N) & (ks[:, None] < K), other=0.0)
+            if X_TMA:
+                a = x.load([pid_m * BLOCK_M, k0])
+            else:
+                a = tl.load(x + rows.to(tl.int64)[:, None] * stride_xm + ks[None, :],
+                            mask=row_ok[:, None] & (ks[None, :] < K), other=0.0)
+            if W_TMA:
+                b = w.load([expert * N + pid_n * BLOCK_N, k0]).T
+            else:
+                b = tl.load(w_e + offs_n[None, :] * stride_wn + ks[:, None],
+                            mask=(offs_n[None, :] < N) & (ks[:, None] < K), other=0.0)
             if UPCAST:  # the interpreter cannot do bf16 arithmetic; the upcast is exact
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
@@ -178,27 +191,27 @@ class SortedSlots:
 
 
 def sort_slots(ids: torch.Tensor, num_experts: int, block_m: int) -> SortedSlots:
-    """Sort the slots by expert on the device, without a host synchronisation: the padded length is
-    the bound T*k + E*(block_m - 1) rounded up to a tile, whatever the routing."""
+    """Sort the slots by expert on the device, without a host synchronisation (so a CUDA graph can
+    capture it): the padded length is the bound T*k + E*(block_m - 1) rounded up to a tile, whatever
+    the routing. Each expert's slot count comes from a ``searchsorted`` over the sorted ids, not from
+    ``torch.bincount``, which reads the ids' maximum on the host. The order of the slots inside an
+    expert's run does not change any bits (each row is its own GEMM); it is the stable order anyway."""
     t, k = ids.shape
     device = ids.device
     flat = ids.reshape(-1).long()
-    order = torch.argsort(flat, stable=True)                       # slots, grouped by expert
-    counts = torch.bincount(flat, minlength=num_experts)
+    sorted_experts, order = torch.sort(flat, stable=True)         # slots, grouped by expert
+    bounds = torch.searchsorted(sorted_experts, torch.arange(num_experts + 1, device=device))
+    count_start, counts = bounds[:-1], bounds[1:] - bounds[:-1]
     padded = (counts + block_m - 1) // block_m * block_m
-    run_start = torch.cumsum(padded, 0) - padded                   # each expert's first position
-    count_start = torch.cumsum(counts, 0) - counts
-    sorted_experts = flat[order]
-    rank_in_run = torch.arange(t * k, device=device) - count_start[sorted_experts]
-    sorted_position = run_start[sorted_experts] + rank_in_run
+    run_end = torch.cumsum(padded, 0)
+    run_start = run_end - padded                                   # each expert's first position
+    sorted_position = (run_start - count_start)[sorted_experts] + torch.arange(t * k, device=device)
     total = -(-(t * k + num_experts * (block_m - 1)) // block_m) * block_m
     token = torch.full((total,), -1, dtype=torch.int32, device=device)
     token[sorted_position] = (order // k).to(torch.int32)
     position = torch.empty(t * k, dtype=torch.long, device=device)
     position[order] = sorted_position
-    tile_start = torch.arange(0, total, block_m, device=device)
-    run_end = run_start + padded
-    tile_expert = torch.searchsorted(run_end, tile_start, right=True).to(torch.int32)
+    tile_expert = torch.searchsorted(run_end, torch.arange(0, total, block_m, device=device), right=True)
     tile_expert = torch.where(tile_expert < num_experts, tile_expert, -1).to(torch.int32)
     return SortedSlots(block_m, token, position.view(t, k), tile_expert)
 
@@ -222,10 +235,18 @@ def grouped_config(slots: int, num_experts: int) -> dict:
     return dict(next(cfg for most, cfg in GROUPED_CONFIGS if most is None or per_expert <= most))
 
 
+def _descriptor_ok(t: torch.Tensor) -> bool:
+    """A 2-D bf16 tensor a tensor descriptor can read: row-major, 16-byte aligned base and rows."""
+    return (not INTERPRET and t.is_cuda and t.dtype == torch.bfloat16 and t.stride(-1) == 1
+            and t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0)
+
+
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor, sorted_slots: SortedSlots,
-                   out_dtype: torch.dtype, spec: Gemm, cfg: dict) -> torch.Tensor:
+                   out_dtype: torch.dtype, spec: Gemm, cfg: dict, *, x_sorted: bool = False) -> torch.Tensor:
     """(P, N) ``out_dtype``: sorted position p holds ``x[rows[p]] @ weight[e].T`` (e: its tile's expert),
-    K reduced as [gemm] says; rows -1 (padding) stay zero. x: (R, K); weight: (E, N, K)."""
+    K reduced as [gemm] says; rows -1 (padding) stay zero. x: (R, K); weight: (E, N, K). ``x_sorted``:
+    x's row p is position p (rows[p] is p or -1, and x's padding rows are zero): with ``cfg["tma"]`` x
+    is then read by descriptor too. ``cfg["tma"]``: the weights by descriptor where bf16 and aligned."""
     e, n, k = weight.shape
     p = sorted_slots.positions
     out = torch.zeros((p, n), device=x.device, dtype=out_dtype)   # padding rows: zeros, not garbage
@@ -235,12 +256,21 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor, so
         raise UnsupportedError(f"grouped GEMM: BLOCK_K {cfg['BLOCK_K']} must divide k_chunk {spec.k_chunk}")
     x = x.contiguous()
     weight = weight.contiguous()
+    w_arg, x_arg = weight, x
+    w_tma = cfg.get("tma", False) and _descriptor_ok(weight.view(e * n, k))
+    x_tma = w_tma and x_sorted and _descriptor_ok(x)
+    if w_tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        w_arg = TensorDescriptor.from_tensor(weight.view(e * n, k), [cfg["BLOCK_N"], cfg["BLOCK_K"]])
+        if x_tma:
+            x_arg = TensorDescriptor.from_tensor(x, [sorted_slots.block_m, cfg["BLOCK_K"]])
     grid = (p // sorted_slots.block_m, triton.cdiv(n, cfg["BLOCK_N"]))
     _grouped_gemm_kernel[grid](
-        x, weight, rows, sorted_slots.tile_expert, out, grid[0], n, k, x.stride(0), weight.stride(0),
+        x_arg, w_arg, rows, sorted_slots.tile_expert, out, grid[0], n, k, x.stride(0), weight.stride(0),
         weight.stride(1), out.stride(0), K_CHUNK=spec.k_chunk, OUT_BF16=out_dtype == torch.bfloat16,
         FP32_INPUTS=x.dtype == torch.float32, UPCAST=INTERPRET and x.dtype != torch.float32,
-        BLOCK_M=sorted_slots.block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+        W_TMA=w_tma, X_TMA=x_tma, BLOCK_M=sorted_slots.block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **LAUNCH)
     return out
 
@@ -299,5 +329,5 @@ def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: 
     # the down projection reads the activations in sorted order: row p of act is position p
     own = torch.where(slots.token >= 0, torch.arange(slots.positions, device=x.device, dtype=torch.int32),
                       torch.full_like(slots.token, -1))
-    down = grouped_linear(act, w2, own, slots, torch.float32, spec, cfg)
+    down = grouped_linear(act, w2, own, slots, torch.float32, spec, cfg, x_sorted=True)
     return combine(down, slots.position, topk_weights, shared, x.dtype)
