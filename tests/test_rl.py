@@ -495,3 +495,26 @@ def test_safetensors_is_a_runtime_dependency():
         import tomli as tomllib
     deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     assert any(d.replace(" ", "").startswith("safetensors") for d in deps)
+
+
+def test_response_entropy_in_row_slices_is_the_fp64_entropy_of_every_response_token(monkeypatch):
+    """response_entropy runs its fp64 log-softmax in slices of rows (the whole batch ran an H200 out of
+    memory at vocab 151936); the mean over every response token must not depend on the slicing."""
+    from types import SimpleNamespace
+
+    from hal.rl import grpo
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(7, 50, generator=g) * 3
+    completions = [SimpleNamespace(prompt=(1, 2), sequence=(1, 2, 3, 4, 5)),     # 3 response tokens
+                   SimpleNamespace(prompt=(1,), sequence=(1, 6, 7, 8, 9))]        # 4 response tokens
+    model = SimpleNamespace(device="cpu", forward_train=lambda ids, lens, logits_rows: logits[:len(logits_rows)])
+    logp = torch.log_softmax(logits.double() / 0.7, dim=-1)
+    oracle = float(-(logp.exp() * logp).sum(-1).mean())
+    for rows in (1024, 3, 1):
+        monkeypatch.setattr(grpo, "ENTROPY_ROWS", rows)
+        assert abs(grpo.response_entropy(model, completions, 0.7) - oracle) <= 1e-12 * abs(oracle)
+    # negative control: dropping a slice (the last row) changes the mean
+    monkeypatch.setattr(grpo, "ENTROPY_ROWS", 3)
+    short = SimpleNamespace(device="cpu", forward_train=lambda ids, lens, logits_rows: logits[:6])
+    assert abs(grpo.response_entropy(short, completions, 0.7) - oracle) > 1e-6
