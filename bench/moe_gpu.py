@@ -151,7 +151,9 @@ def timing(cuda, tokens, shape, best=None):
         if best and t in best:
             row["best_cfg"] = best[t]
             row["hal_layer_best_us"] = timed(lambda: run_layer(cuda, x, w, routing, best[t]))
-            row["hal_layer_best_graph_us"], _ = graph_timed(lambda: run_layer(cuda, x, w, routing, best[t]))
+            row["hal_layer_best_graph_us"], why = graph_timed(lambda: run_layer(cuda, x, w, routing, best[t]))
+            if why:
+                row["hal_best_graph_error"] = why
         if vllm is not None:
             fused_topk, fused_experts = vllm
 
@@ -184,7 +186,7 @@ def timing(cuda, tokens, shape, best=None):
             print(f"  the sweep's fastest launch {row['best_cfg']}: eager {row['hal_layer_best_us']:.1f} us, graph "
                   f"{row['hal_layer_best_graph_us'] or float('nan'):.1f} us, vLLM graph / ours "
                   f"{row.get('layer_best_graph_ratio', float('nan')):.3f}", flush=True)
-        for key in ("hal_graph_error", "vllm_graph_error"):
+        for key in ("hal_graph_error", "hal_best_graph_error", "vllm_graph_error"):
             if key in row:
                 print(f"  {key}: {row[key]}", flush=True)
         rows.append(row)

@@ -33,6 +33,7 @@ import triton.language as tl
 from hal.contract import Gemm, Reduce
 from hal.errors import UnsupportedError
 from hal.kernels.common import INTERPRET, LAUNCH, next_power_of_2, to_activation
+from hal.kernels.gemm import _tma_ok
 
 
 @triton.jit
@@ -240,12 +241,6 @@ def grouped_config(slots: int, num_experts: int) -> dict:
     return dict(next(cfg for most, cfg in GROUPED_CONFIGS if most is None or per_expert <= most))
 
 
-def _descriptor_ok(t: torch.Tensor) -> bool:
-    """A 2-D bf16 tensor a tensor descriptor can read: row-major, 16-byte aligned base and rows."""
-    return (not INTERPRET and t.is_cuda and t.dtype == torch.bfloat16 and t.stride(-1) == 1
-            and t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0)
-
-
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor, sorted_slots: SortedSlots,
                    out_dtype: torch.dtype, spec: Gemm, cfg: dict, *, x_sorted: bool = False) -> torch.Tensor:
     """(P, N) ``out_dtype``: sorted position p holds ``x[rows[p]] @ weight[e].T`` (e: its tile's expert),
@@ -266,8 +261,9 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor, so
     x = x.contiguous()
     weight = weight.contiguous()
     w_arg, x_arg = weight, x
-    w_tma = cfg.get("tma", False) and _descriptor_ok(weight.view(e * n, k))
-    x_tma = w_tma and x_sorted and _descriptor_ok(x)
+    # the dense GEMM's descriptor conditions (bf16, row-major, 16-byte aligned base and rows)
+    w_tma = cfg.get("tma", False) and not INTERPRET and _tma_ok(weight.view(e * n, k))
+    x_tma = w_tma and x_sorted and _tma_ok(x)
     if w_tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
