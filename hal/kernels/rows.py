@@ -11,6 +11,8 @@ Pointwise ops have no reduction; their rounding points follow the contract, with
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -97,10 +99,22 @@ def _rms_norm_body(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n, stride_x, str
 _rms_norm_kernel = triton.jit(_rms_norm_body)
 _rms_norm_kernel_width_1 = triton.jit(do_not_specialize=["n"])(_rms_norm_body)
 
+NARROW = 128   # rows of 2..NARROW elements take the many-rows kernel (``rms_norm_rows``)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
              spec: RmsNorm, num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(out, residual_out or None); the sum of squares in row blocks of ``spec.row_block``."""
+    """(out, residual_out or None); the sum of squares in row blocks of ``spec.row_block``.
+
+    Which kernel runs depends on the row width alone (so a row's bits never depend on the batch): rows of
+    2..NARROW elements (per-head q/k norms) go many to a program with the pairwise tree of
+    ``rms_norm_rows`` (1.5-1.8x faster than one row per program at 3584..262144 rows of 64-128 on the
+    H200; at 256 wide it was 2x slower: bench/norm_rows.py); wider rows one to a program. ``num_warps``
+    forces the one-row kernel with that many warps (its ``tl.sum`` tree depends on them:
+    bench/tile_freedom.py)."""
     n = x.shape[-1]
+    if num_warps is None and 2 <= n and next_power_of_2(n) <= min(NARROW, spec.row_block):
+        return rms_norm_rows(x, weight, eps, residual, spec)
     x2 = x.reshape(-1, n)
     out = torch.empty_like(x2)
     res2 = residual.reshape(-1, n) if residual is not None else x2
@@ -109,11 +123,72 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     if x2.shape[0]:
         kernel = _rms_norm_kernel_width_1 if n == 1 else _rms_norm_kernel
         kernel[(x2.shape[0],)](x2, res2, weight, out, res_out, n, x2.stride(0), res2.stride(0), out.stride(0),
-                               res_out.stride(0), float(torch.tensor(eps).float()),
+                               res_out.stride(0), _fp32(eps),
                                HAS_RESIDUAL=residual is not None, IS_BF16=x.dtype == torch.bfloat16, BLOCK=block,
                                MEAN_RECIPROCAL=spec.inv_rms == "mul_reciprocal_div_rn_sqrt_rn", ONE_BLOCK=n <= block,
                                num_warps=num_warps or (8 if block >= 2048 else 4), **LAUNCH)
     return out.view(x.shape), (res_out.view(x.shape) if residual is not None else None)
+
+
+@triton.jit
+def _pairwise_row_sums(x, LEVELS: tl.constexpr):
+    """(ROWS, W) -> (ROWS,): each row summed by one fixed binary tree (adjacent pairs, then pairs of those
+    sums, ...; LEVELS = log2(W)). Every step is an elementwise fp32 add, so the tree does not depend on how the compiler
+    lays the tile out over threads and warps (a ``tl.sum`` tree does) nor on how many rows share it."""
+    for _ in tl.static_range(LEVELS):
+        left, right = tl.split(tl.reshape(x, (x.shape[0], x.shape[1] // 2, 2)))
+        x = left + right
+    return tl.reshape(x, (x.shape[0],))
+
+
+@triton.jit
+def _rms_norm_rows_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, rows, n, stride_x, stride_r, stride_o,
+                          stride_ro, eps, HAS_RESIDUAL: tl.constexpr, IS_BF16: tl.constexpr, BLOCK: tl.constexpr,
+                          LEVELS: tl.constexpr, ROWS: tl.constexpr, MEAN_RECIPROCAL: tl.constexpr):
+    """RMSNorm of ROWS narrow rows (n <= BLOCK) per program: the sum of squares by ``_pairwise_row_sums``,
+    so a row's bits depend on its width alone, not on ROWS or the warps."""
+    r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]
+    offs = tl.arange(0, BLOCK)[None, :]
+    mask = (r < rows) & (offs < n)
+    x = tl.load(x_ptr + r * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        x = x + tl.load(res_ptr + r * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
+        if IS_BF16:
+            x = round_to_bf16(x)
+        tl.store(res_out_ptr + r * stride_ro + offs, to_activation(x, IS_BF16), mask=mask)
+    sum_sq = zero_scalar() + _pairwise_row_sums(x * x, LEVELS)
+    inv = _inverse_rms(sum_sq, n, eps, MEAN_RECIPROCAL)[:, None]
+    w = tl.load(w_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+    tl.store(out_ptr + r * stride_o + offs, to_activation((x * inv) * w, IS_BF16), mask=mask)
+
+
+def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
+                  spec: RmsNorm, rows_per_program: int | None = None, num_warps: int = 4):
+    """``rms_norm`` for rows of 2..256 elements, many rows per program (default: a tile of 1024 elements,
+    the fastest on the H200 at 128-wide rows). Launch choices never change the bits. ``rms_norm`` sends
+    it rows of up to NARROW elements only: at 256 wide it was slower than one row per program."""
+    n = x.shape[-1]
+    x2 = x.reshape(-1, n)
+    out = torch.empty_like(x2)
+    res2 = residual.reshape(-1, n) if residual is not None else x2
+    res_out = torch.empty_like(x2) if residual is not None else out
+    block = next_power_of_2(n)
+    if n < 2 or block > min(256, spec.row_block):
+        raise ValueError(f"rms_norm_rows: rows of {n} elements; it takes 2..{min(256, spec.row_block)}")
+    rows_per_program = rows_per_program or max(1, 1024 // block)
+    if x2.shape[0]:
+        _rms_norm_rows_kernel[(triton.cdiv(x2.shape[0], rows_per_program),)](
+            x2, res2, weight, out, res_out, x2.shape[0], n, x2.stride(0), res2.stride(0), out.stride(0),
+            res_out.stride(0), _fp32(eps), HAS_RESIDUAL=residual is not None, IS_BF16=x.dtype == torch.bfloat16,
+            BLOCK=block, LEVELS=block.bit_length() - 1, ROWS=rows_per_program,
+            MEAN_RECIPROCAL=spec.inv_rms == "mul_reciprocal_div_rn_sqrt_rn", num_warps=num_warps, **LAUNCH)
+    return out.view(x.shape), (res_out.view(x.shape) if residual is not None else None)
+
+
+@functools.lru_cache(maxsize=64)
+def _fp32(value: float) -> float:
+    """The fp32 value nearest ``value``, as a Python float (the kernels take eps as fp32)."""
+    return float(torch.tensor(value, dtype=torch.float32))
 
 
 @triton.jit(do_not_specialize=["n"])
