@@ -534,3 +534,75 @@ def test_rms_norm_one_block_path_equals_the_two_pass_path(residual):
         one, two = run(x, w, res, block, True), run(x, w, res, block, False)
         assert torch.equal(one[0], two[0]) and (not residual or torch.equal(one[1], two[1]))
         assert not torch.equal(run(x, w, res, block, True, eps=0.5)[0], one[0])
+
+
+def _pairwise_tree_rms_norm(x, w, eps, residual=None):
+    """The narrow-row RMSNorm written out in torch fp32 elementwise ops (IEEE on every host, no BLAS): the
+    residual add rounded to bf16, the sum of squares by the fixed pairwise tree (adjacent pairs, then pairs
+    of those sums, ... over the row zero-padded to a power of two), +0 first, div_rn by n, 1 / sqrt_rn,
+    then (x * inv) * w rounded once."""
+    import triton
+
+    xf = x.float()
+    if residual is not None:
+        xf = (xf + residual.float()).to(torch.bfloat16).float()
+    n = x.shape[-1]
+    sq = torch.nn.functional.pad(xf * xf, (0, triton.next_power_of_2(n) - n))
+    while sq.shape[-1] > 1:
+        sq = sq[..., 0::2] + sq[..., 1::2]
+    sum_sq = torch.zeros_like(sq[..., 0]) + sq[..., 0]
+    inv = _fp32_inverse_rms(sum_sq, n, eps)
+    return ((xf * inv[..., None]) * w.float()).to(x.dtype), (xf.to(x.dtype) if residual is not None else None)
+
+
+def _fp32_inverse_rms(sum_sq, n, eps):
+    """div_rn(1, sqrt_rn(div_rn(sum_sq, n) + eps)) in fp32: each step in fp64, then rounded to fp32 (for +, /
+    and sqrt that is the correctly rounded fp32 result; torch's own fp32 ``1.0 / t`` was not, on this CPU)."""
+    def fp32(t):
+        return t.float().double()
+    mean = fp32(sum_sq.double() / n)
+    root = fp32(torch.sqrt(fp32(mean + fp32(torch.tensor(eps)))))
+    return (1.0 / root).float()
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_narrow_rms_norm_is_the_pairwise_tree_for_every_launch(cuda, residual):
+    """Rows of 2..128 elements (per-head q/k norms) go many to a program (``rows.rms_norm_rows``): the
+    result is the pairwise tree written out in torch (bitwise), for every rows-per-program and warp
+    count, a row alone equals it inside a batch; across the dispatch boundary (128 / 129 wide) both
+    kernels stay within the fp64 oracle's bound. Negative control: a left-to-right sum of squares
+    gives other bits for some rows (the check sees the order)."""
+    from hal.conformance.checks import random_tensor
+    from hal.kernels import rows
+
+    spec = CONTRACT.rms_norm
+    g = torch.Generator().manual_seed(12)
+    for n in (2, 3, 64, 96, 128, 129):
+        x = random_tensor((37, n), torch.bfloat16, g, spread=4)
+        res = random_tensor((37, n), torch.bfloat16, g, spread=4) if residual else None
+        w = random_tensor((n,), torch.bfloat16, g)
+        out, res_out = cuda.rms_norm(x, w, 1e-6, res) if residual else (cuda.rms_norm(x, w, 1e-6), None)
+        xf = (x.float() + res.float()).to(torch.bfloat16).double() if residual else x.double()  # r = round(x + res)
+        oracle = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
+        assert bool(((out.double() - oracle).abs() <= 2 ** -7 * oracle.abs() + 1e-30).all()), n
+        if n > rows.NARROW:
+            continue
+        want, want_res = _pairwise_tree_rms_norm(x, w, 1e-6, res)
+        assert torch.equal(out, want), n
+        if residual:
+            assert torch.equal(res_out, want_res)
+        for per_program, warps in ((1, 1), (4, 2), (16, 8)):
+            got, _ = rows.rms_norm_rows(x, w, 1e-6, res, spec, rows_per_program=per_program, num_warps=warps)
+            assert torch.equal(got, want), (n, per_program, warps)
+        alone = cuda.rms_norm(x[20:21], w, 1e-6, res[20:21]) if residual else cuda.rms_norm(x[20:21], w, 1e-6)
+        assert torch.equal(alone[0] if residual else alone, want[20:21])
+    # negative control: on fp32 rows (no bf16 output rounding to hide it) the kernel equals the tree and a
+    # left-to-right sum of squares gives other bits: the equality above sees the order
+    x = random_tensor((64, 128), torch.float32, g, spread=4)
+    w = torch.ones(128)
+    tree, _ = _pairwise_tree_rms_norm(x, w, 1e-6)
+    assert torch.equal(cuda.rms_norm(x, w, 1e-6), tree)
+    serial = torch.zeros(64)
+    for j in range(128):
+        serial = serial + x[:, j] * x[:, j]
+    assert not torch.equal(x * _fp32_inverse_rms(serial, 128, 1e-6)[:, None], tree)
