@@ -148,7 +148,7 @@ class CudaBackend(Backend):
     def rms_norm(self, x, weight, eps, residual=None):
         out, res_out = self._rows.rms_norm(x.contiguous(), weight, eps,
                                            None if residual is None else residual.contiguous(),
-                                           self.contract.rms_norm)
+                                           self.contract.rms_norm, many_rows=True)
         return out if residual is None else (out, res_out)
 
     def silu_mul(self, gate_up):

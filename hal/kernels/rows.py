@@ -103,17 +103,19 @@ NARROW = 128   # rows of 2..NARROW elements take the many-rows kernel (``rms_nor
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
-             spec: RmsNorm, num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+             spec: RmsNorm, num_warps: int | None = None, *,
+             many_rows: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(out, residual_out or None); the sum of squares in row blocks of ``spec.row_block``.
 
-    Which kernel runs depends on the row width alone (so a row's bits never depend on the batch): rows of
-    2..NARROW elements (per-head q/k norms) go many to a program with the pairwise tree of
-    ``rms_norm_rows`` (1.5-1.8x faster than one row per program at 3584..262144 rows of 64-128 on the
-    H200; at 256 wide it was 2x slower: bench/norm_rows.py); wider rows one to a program. ``num_warps``
-    forces the one-row kernel with that many warps (its ``tl.sum`` tree depends on them:
-    bench/tile_freedom.py)."""
+    Which kernel runs depends on the row width alone (so a row's bits never depend on the batch). With
+    ``many_rows`` (the cuda backend), rows of 2..NARROW elements (per-head q/k norms) go many to a
+    program with the pairwise tree of ``rms_norm_rows`` (1.5-1.8x faster than one row per program at
+    3584..262144 rows of 64-128 on the H200; at 256 wide it was 2x slower: bench/norm_rows.py); wider
+    rows, and every row without it (a vendor whose compiler has not been shown to take that kernel: the
+    ascend backend), one to a program. ``num_warps`` forces the one-row kernel with that many warps (its
+    ``tl.sum`` tree depends on them: bench/tile_freedom.py)."""
     n = x.shape[-1]
-    if num_warps is None and 2 <= n and next_power_of_2(n) <= min(NARROW, spec.row_block):
+    if many_rows and num_warps is None and 2 <= n and next_power_of_2(n) <= min(NARROW, spec.row_block):
         return rms_norm_rows(x, weight, eps, residual, spec)
     x2 = x.reshape(-1, n)
     out = torch.empty_like(x2)
