@@ -143,13 +143,29 @@ def _config(m: int, n: int, k: int, spec: Gemm, tma: bool, sms: int) -> dict:
                     num_stages=4)
     if not tma:  # fp32 (or unaligned) operands: pointer loads, the tiles their registers allow
         return dict(base, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4)
-    if triton.cdiv(m, 64) * triton.cdiv(n, 64) <= 2 * sms:
-        # Up to M = 256 at N = 4096: 64 x 64 tiles fill the GPU where 128-row tiles leave it half idle.
-        return dict(base, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, tma=True, num_warps=4, num_stages=6)
-    # MMA bound: 128 x 256 tiles on two warpgroups. The contract's second fp32 accumulator makes
-    # them spill a little (255 registers + 48 bytes of stack), yet they beat 128 x 128 by 2-7% at
-    # M >= 4096 (a quarter fewer L2 reads per MMA).
-    return dict(base, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, tma=True, num_warps=8, num_stages=3)
+
+    def tiles(bm, bn):
+        return triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    # Descriptor loads, above 64 rows: the largest tile whose programs fill (nine tenths of) one wave on
+    # the multiprocessors. A tile that leaves them idle costs more than its MMA efficiency gains: 128 x 256
+    # tiles for M = 1024, N = 2048 (64 programs on 132) ran 69-79 us where 128 x 128 / 64 x 128 tiles ran
+    # 39-48 us, and at M = 256, N = 6144 54 us against 35 us (bench/results/h200-2026-12-02-session11).
+    if 10 * tiles(128, 256) >= 9 * sms:
+        # MMA bound: 128 x 256 tiles on two warpgroups. The contract's second fp32 accumulator makes
+        # them spill a little (255 registers + 48 bytes of stack), yet they beat 128 x 128 by 2-7% at
+        # M >= 4096 (a quarter fewer L2 reads per MMA).
+        return dict(base, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, tma=True, num_warps=8, num_stages=3)
+    if 10 * tiles(128, 128) >= 9 * sms:
+        # 128 x 128 on two warpgroups, 5 stages: at M = 128, N = 24576 within 2-6% of the fastest
+        # candidate (0.84-0.89x cuBLAS; the 128 x 256 rule 0.82-0.88x), at M = 1024, N = 2048 the fastest
+        # in one of two runs.
+        return dict(base, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, tma=True, num_warps=8, num_stages=5)
+    if 4 * tiles(64, 128) >= 3 * sms:
+        # One warpgroup per 64 x 128 tile: hal tune's choice at M = 256, N = 4096 and N = 6144 (session 8),
+        # and the fastest at M = 256, N = 6144 in the landscape (0.66x cuBLAS, the 128 x 256 rule 0.43x).
+        return dict(base, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, tma=True, num_warps=4, num_stages=4)
+    # Few rows and a narrow N (M = 128, N <= 6144): 64 x 64 tiles, the most programs.
+    return dict(base, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, tma=True, num_warps=4, num_stages=6)
 
 
 # The launch configurations the autotuner (hal/kernels/tuning.py) may choose from: every one keeps the
@@ -160,18 +176,21 @@ _TILES = [
     (16, 32, 256, 4, 4), (16, 64, 128, 4, 5), (16, 64, 256, 4, 3), (16, 128, 128, 4, 4), (32, 32, 256, 4, 4),
     (32, 64, 128, 4, 4), (32, 128, 128, 4, 4), (64, 32, 128, 4, 4), (64, 64, 64, 4, 6), (64, 64, 128, 4, 4),
     (64, 128, 64, 4, 4), (64, 256, 64, 8, 3), (128, 64, 64, 4, 4), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3),
+    # session 11's landscape: among the fastest at M = 128..1024 (128 x 64 x 128: the fastest at M = 128, N = 24576)
+    (128, 128, 64, 8, 5), (128, 64, 128, 4, 4),
 ]
 SHARED_BYTES = 227 * 1024
 
 
-def candidates(m: int, n: int, k: int, spec: Gemm, tma_ok: bool) -> list[dict]:
+def candidates(m: int, n: int, k: int, spec: Gemm, tma_ok: bool, tiles=None) -> list[dict]:
     """Every contract-preserving launch configuration worth timing for an (m, n, k) GEMM: the tiles of
     ``_TILES`` whose BLOCK_K divides k_chunk, whose BLOCK_M is not far above M (a 128-row tile for 8 rows
     only wastes MMAs) and that fit in shared memory, each by pointer and (where the tensors allow) by
-    descriptor, and split-K over 1 or 2 chunks per program where K has several chunks and M is small."""
+    descriptor, and split-K over 1 or 2 chunks per program where K has several chunks and M is small.
+    ``tiles``: another tile list than ``_TILES`` (bench/gemm_landscape.py explores beyond it)."""
     chunks = spec.chunk_count(k)
     out = []
-    for bm, bn, bk, warps, stages in _TILES:
+    for bm, bn, bk, warps, stages in (_TILES if tiles is None else tiles):
         if spec.k_chunk % bk or bm > max(16, triton.next_power_of_2(m)) * 2:
             continue
         if (bm + bn) * bk * 2 * stages > SHARED_BYTES:
