@@ -1,0 +1,188 @@
+"""Host cost of one ``hal.ops`` call on a backend (issue #20: <= 10 us per op call outside CUDA graphs), and
+whether every op can be captured in a CUDA graph with the eager bits.
+
+Each op runs on inputs small enough that the GPU finishes a call long before the host issues the next, so
+the wall time of a loop of calls without synchronisation is the host's cost per call (Python, argument
+checks, allocation, Triton's launcher, the driver). The GPU's own time per call (CUDA-graph replay) is
+printed beside it: where it exceeds the host time the loop measured the GPU, and the row says so. Stock
+torch ops of the same shapes are timed the same way, as the yardstick of what a launch costs here.
+
+    python3 bench/host_overhead.py --backend cuda --json host.json [--calls 300] [--profile linear_m64]
+
+``--profile OP``: a cProfile of that op's calls (the top functions by own time), to see where the host
+time goes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import time
+
+import torch
+import torch.nn.functional as F
+
+from hal.api import create_backend
+from hal.backend import AttentionMetadata
+
+
+def host_us(fn, calls: int) -> float:
+    """Median over 5 loops of the wall time per call of ``calls`` back-to-back calls (no sync inside)."""
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    loops = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        loops.append((time.perf_counter() - start) / calls * 1e6)
+        torch.cuda.synchronize()
+    return sorted(loops)[2]
+
+
+def device_us(fn, calls: int = 50) -> float | None:
+    """Device time per call from a CUDA graph of ``calls`` calls; None if the op cannot be captured."""
+    try:
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+        graph.replay()
+        torch.cuda.synchronize()
+    except Exception:                      # noqa: BLE001 - the row records that the op is not capturable
+        return None
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(5):
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return sorted(times)[2]
+
+
+def captured_bits_equal(fn) -> tuple[bool, str]:
+    """Capture one call in a CUDA graph, replay it, and compare its output with an eager call's, bitwise."""
+    eager = fn()
+    try:
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        with torch.cuda.graph(graph):
+            captured = fn()
+        graph.replay()
+        torch.cuda.synchronize()
+    except Exception as exc:               # noqa: BLE001
+        return False, f"capture failed: {type(exc).__name__}: {str(exc)[:160]}"
+    outs = (eager, captured) if isinstance(eager, tuple) else ((eager,), (captured,))
+    for a, b in zip(*outs):
+        if a is None:
+            continue
+        if not torch.equal(a.view(torch.uint8) if a.dtype.is_floating_point else a,
+                           b.view(torch.uint8) if b.dtype.is_floating_point else b):
+            return False, "replay bits differ from eager"
+    return True, ""
+
+
+def cases(backend, device):
+    """(name, hal call, stock call or None); each call returns its output(s)."""
+    bf16 = torch.bfloat16
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def rand(*shape, dtype=bf16):
+        return torch.randn(*shape, generator=g, device=device).to(dtype)
+
+    out = []
+    for m in (1, 64, 256):
+        x, w = rand(m, 1024), rand(512, 1024) * 0.03
+        out.append((f"linear_m{m}", lambda x=x, w=w: backend.linear(x, w), lambda x=x, w=w: F.linear(x, w)))
+    x, res, nw = rand(4, 1024), rand(4, 1024), rand(1024)
+    out.append(("rms_norm", lambda: backend.rms_norm(x, nw, 1e-6),
+                lambda: F.rms_norm(x, (1024,), nw, 1e-6)))
+    out.append(("rms_norm_residual", lambda: backend.rms_norm(x, nw, 1e-6, res),
+                lambda: F.rms_norm(x + res, (1024,), nw, 1e-6)))
+    gu = rand(4, 2 * 1024)
+    out.append(("silu_mul", lambda: backend.silu_mul(gu), lambda: F.silu(gu[:, :1024]) * gu[:, 1024:]))
+    q, k = rand(4, 16, 128), rand(4, 8, 128)
+    positions = torch.arange(4, device=device)
+    table = torch.randn(4096, 128, generator=g, device=device)
+    out.append(("rotary", lambda: backend.rotary(positions, q, k, table), None))
+    # decode attention: 4 sequences of 300 keys in 16-key pages
+    pages, page = 4 * 19, 16
+    kc, vc = rand(pages, page, 8, 128), rand(pages, page, 8, 128)
+    meta = AttentionMetadata(query_start_loc=torch.arange(5, device=device, dtype=torch.int32),
+                             seq_lens=torch.full((4,), 300, device=device, dtype=torch.int32),
+                             block_table=torch.randperm(pages, generator=g, device=device).to(torch.int32).view(4, 19))
+    sdpa_k, sdpa_v = rand(4, 8, 300, 128), rand(4, 8, 300, 128)
+    out.append(("attention_decode", lambda: backend.attention(q, kc, vc, meta, scale=128 ** -0.5),
+                lambda: F.scaled_dot_product_attention(q.unsqueeze(2), sdpa_k, sdpa_v, enable_gqa=True)))
+    kv_k, kv_v = rand(4, 8, 128), rand(4, 8, 128)
+    slots = torch.tensor([5, 77, 300, 1000], device=device)
+    out.append(("write_kv", lambda: backend.write_kv(kv_k, kv_v, kc, vc, slots), None))
+    logits, ids = rand(4, 32000, dtype=torch.float32), torch.randint(0, 32000, (4,), generator=g, device=device)
+    out.append(("token_logprobs", lambda: backend.token_logprobs(logits, ids),
+                lambda: torch.log_softmax(logits, -1).gather(-1, ids[:, None])))
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--backend", default="cuda")
+    ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument("--profile", action="append", default=[], help="op names to profile with cProfile")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    device = torch.device("cuda")
+    backend = create_backend(args.backend, device=device)
+    rows = []
+    print(f"{'op':22} {'hal host us':>12} {'device us':>10} {'torch host us':>14} {'graph':>6}  note", flush=True)
+    for name, ours, stock in cases(backend, device):
+        row = dict(op=name, host_us=host_us(ours, args.calls), device_us=device_us(ours))
+        row["capturable"], why = captured_bits_equal(ours)
+        if why:
+            row["capture_note"] = why
+        if stock is not None:
+            row["torch_host_us"] = host_us(stock, args.calls)
+        row["host_bound"] = row["device_us"] is None or row["device_us"] < row["host_us"]
+        rows.append(row)
+        note = "" if row["host_bound"] else "device-bound: host time hidden"
+        print(f"{name:22} {row['host_us']:12.1f} {row['device_us'] or float('nan'):10.1f} "
+              f"{row.get('torch_host_us', float('nan')):14.1f} {'yes' if row['capturable'] else 'NO':>6}  "
+              f"{note} {why}", flush=True)
+        if name in args.profile:
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(args.calls):
+                ours()
+            prof.disable()
+            torch.cuda.synchronize()
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(18)
+            row["profile"] = text.getvalue()
+            print(row["profile"], flush=True)
+    target = 10.0
+    over = [r["op"] for r in rows if r["host_us"] > target]
+    print(f"\nops over {target:.0f} us of host time per call: {', '.join(over) or 'none'}; "
+          f"not capturable: {', '.join(r['op'] for r in rows if not r['capturable']) or 'none'}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, calls=args.calls,
+                           target_us=target, rows=rows), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
