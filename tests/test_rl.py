@@ -20,7 +20,7 @@ from hal.cli import main
 from hal.errors import HalError
 from hal.rl import RecipeError, load_recipe, run_recipe
 from hal.rl.grpo import group_advantages, weights_checksum
-from hal.rl.task import DIGIT_BASE, CountUp, TargetToken
+from hal.rl.task import DIGIT_BASE, CountUp, EvenToken, TargetToken
 
 ROOT = Path(__file__).resolve().parent.parent
 SMOKE = ROOT / "recipes" / "ci-smoke.yaml"
@@ -265,6 +265,7 @@ def test_tasks_and_advantages():
     assert CountUp(3).reward(d(1, 2, 3), d(4, 5, 6, 7)) == 1.0
     assert CountUp(3).reward(d(1, 2, 9), d(0, 5)) == 0.5              # 9 -> 0 wraps, 0 -> 5 does not
     assert TargetToken(3, target=5).reward(d(1), [5, 1, 5, 5]) == 0.75
+    assert EvenToken(3).reward(d(1), [4, 7, 100000, 3]) == 0.5 and EvenToken(3).reward(d(1), []) == 0.0
     assert CountUp(4).prompts(0, 7, 3) == CountUp(4).prompts(0, 7, 3) != CountUp(4).prompts(0, 8, 3)
     adv = group_advantages(torch.tensor([[0.0, 1.0], [0.5, 0.5]]))
     assert adv.tolist()[2:] == [0.0, 0.0] and adv[0] < 0 < adv[1]
@@ -518,3 +519,17 @@ def test_response_entropy_in_row_slices_is_the_fp64_entropy_of_every_response_to
     monkeypatch.setattr(grpo, "ENTROPY_ROWS", 3)
     short = SimpleNamespace(device="cpu", forward_train=lambda ids, lens, logits_rows: logits[:6])
     assert abs(grpo.response_entropy(short, completions, 0.7) - oracle) > 1e-6
+
+
+def test_even_token_trains_a_random_large_vocabulary_model_where_count_up_cannot(tmp_path):
+    """A random model over 4096 tokens: count_up's rewards are 0 in every group, so every advantage is 0
+    and no step changes a weight (the diff = 0 checks would then see the same weights every step: the
+    negative control); even_token pays ~0.5 with a spread, so every step updates the weights and the
+    next step's rollout runs on them, still with diff = 0."""
+    for task, learns in (("count_up", False), ("even_token", True)):
+        recipe = _recipe(tmp_path / task, "steps=2", f"task.name={task}", "model.overrides.vocab_size=4096")
+        metrics = run_recipe(recipe, echo=None)["runs"]["reference"]
+        assert all(m["mismatches"] == 0 for m in metrics)
+        assert all(m["weights_changed"] == learns for m in metrics), (task, [m["reward"] for m in metrics])
+        if not learns:
+            assert all(m["reward_std"] == 0.0 for m in metrics)

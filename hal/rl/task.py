@@ -11,6 +11,11 @@ on 2 CPU cores) while train/rollout logprobs stay bitwise equal; they are not be
   so GRPO's advantages keep a signal.
 * ``target_token``: every response token equal to ``task.target`` earns 1/len. Learned in a handful
   of steps (then the policy is nearly deterministic): a smoke test.
+* ``even_token``: every response token with an even id earns 1/len. A random model of any vocabulary
+  already earns ~0.5 with a spread inside each group, so GRPO's advantages are non-zero from the first
+  step and every step updates the weights: the task for full-size random models (``count_up`` and
+  ``target_token`` pay ~1/vocab per token there, so every group's rewards are equal, every advantage is
+  0 and no step changes a weight).
 
 Digit ``d`` is token ``DIGIT_BASE + d``; the vocabulary must hold tokens up to ``DIGIT_BASE + 9``.
 """
@@ -91,7 +96,14 @@ class TargetToken(Task):
                               f"model's vocabulary (0..{(vocab or 1) - 1})")
 
 
-TASKS: dict[str, type[Task]] = {CountUp.name: CountUp, TargetToken.name: TargetToken}
+class EvenToken(Task):
+    name = "even_token"
+
+    def reward(self, prompt, response):
+        return sum(t % 2 == 0 for t in response) / len(response) if response else 0.0
+
+
+TASKS: dict[str, type[Task]] = {CountUp.name: CountUp, TargetToken.name: TargetToken, EvenToken.name: EvenToken}
 
 
 def model_vocab_size(recipe) -> int | None:
