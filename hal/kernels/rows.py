@@ -135,8 +135,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 @triton.jit
 def _pairwise_row_sums(x, LEVELS: tl.constexpr):
     """(ROWS, W) -> (ROWS,): each row summed by one fixed binary tree (adjacent pairs, then pairs of those
-    sums, ...; LEVELS = log2(W)). Every step is an elementwise fp32 add, so the tree does not depend on how the compiler
-    lays the tile out over threads and warps (a ``tl.sum`` tree does) nor on how many rows share it."""
+    sums, ...; LEVELS = log2(W)). Every step is an elementwise fp32 add, so the tree does not depend on how
+    the compiler lays the tile out over threads and warps (a ``tl.sum`` tree does) nor on how many rows
+    share it."""
     for _ in tl.static_range(LEVELS):
         left, right = tl.split(tl.reshape(x, (x.shape[0], x.shape[1] // 2, 2)))
         x = left + right
@@ -178,6 +179,8 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: t
     if n < 2 or block > min(256, spec.row_block):
         raise ValueError(f"rms_norm_rows: rows of {n} elements; it takes 2..{min(256, spec.row_block)}")
     rows_per_program = rows_per_program or max(1, 1024 // block)
+    if rows_per_program & (rows_per_program - 1):
+        raise ValueError(f"rms_norm_rows: rows_per_program must be a power of two, got {rows_per_program}")
     if x2.shape[0]:
         _rms_norm_rows_kernel[(triton.cdiv(x2.shape[0], rows_per_program),)](
             x2, res2, weight, out, res_out, x2.shape[0], n, x2.stride(0), res2.stride(0), out.stride(0),
