@@ -44,20 +44,27 @@ def host_us(fn, calls: int) -> float:
     return sorted(loops)[2]
 
 
+def capture(fn, calls: int = 1):
+    """A CUDA graph of ``calls`` calls of ``fn`` (warmed on a side stream first, as torch asks), replayed
+    once; returns (the graph, the last captured call's output)."""
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            out = fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    return graph, out
+
+
 def device_us(fn, calls: int = 50) -> float | None:
     """Device time per call from a CUDA graph of ``calls`` calls; None if the op cannot be captured."""
     try:
-        graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        with torch.cuda.graph(graph):
-            for _ in range(calls):
-                fn()
-        graph.replay()
-        torch.cuda.synchronize()
+        graph, _ = capture(fn, calls)
     except Exception:                      # noqa: BLE001 - the row records that the op is not capturable
         return None
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -75,16 +82,7 @@ def captured_bits_equal(fn) -> tuple[bool, str]:
     """Capture one call in a CUDA graph, replay it, and compare its output with an eager call's, bitwise."""
     eager = fn()
     try:
-        graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        with torch.cuda.graph(graph):
-            captured = fn()
-        graph.replay()
-        torch.cuda.synchronize()
+        _, captured = capture(fn)
     except Exception as exc:               # noqa: BLE001
         return False, f"capture failed: {type(exc).__name__}: {str(exc)[:160]}"
     outs = (eager, captured) if isinstance(eager, tuple) else ((eager,), (captured,))
