@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from bench_cuda import copies
-from family_sweep import MODELS, graph_ms, linears
+from family_sweep import gemm_cells, graph_ms
 
 # Tiles beyond gemm._TILES to explore (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): two fp32 accumulators
 # of a warpgroup's share must fit its registers (<= 64 x 128 per warpgroup).
@@ -48,11 +48,8 @@ def configs_for(m, n, k, spec, tma_ok, extra: bool):
 
 
 def cells(ms):
-    shapes = {}
-    for model, cfg in MODELS.items():
-        for name, n, k in linears(*cfg):
-            shapes.setdefault((n, k, name == "lm_head"), []).append(f"{model}.{name}")
-    return [dict(m=m, n=n, k=k, logits=logits, layers=layers) for (n, k, logits), layers in shapes.items() for m in ms]
+    """family_sweep's GEMM cells (every linear of its models) at the batch sizes ``ms``."""
+    return [c for c in gemm_cells() if c["m"] in ms]
 
 
 def _compile(job):
@@ -118,6 +115,7 @@ def main(argv=None) -> int:
     if args.shape:
         wanted = {tuple(int(v) for v in s_.split(",")) for s_ in args.shape}
         todo = [c for c in cells(sorted({m for m, _, _ in wanted})) if (c["m"], c["n"], c["k"]) in wanted]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows, t0 = [], time.time()
     for i, cell in enumerate(todo):
         if time.time() - t0 > args.budget_s:
@@ -132,7 +130,6 @@ def main(argv=None) -> int:
         reference = gemm.linear(x0, w0, None, out_dtype, spec, policy=untuned).view(torch.uint8)
         cell["table_ms"] = graph_ms([lambda x=x, w=w: gemm.linear(x, w, None, out_dtype, spec, policy=untuned)
                                      for x, w in sets], target_ms=0.5)
-        sms = torch.cuda.get_device_properties(0).multi_processor_count
         cell["table_config"] = gemm._config(m, n, k, spec, True, sms)
         stock = [(lambda x=x, w=w: F.linear(x, w).float()) if cell["logits"] else (lambda x=x, w=w: F.linear(x, w))
                  for x, w in sets]

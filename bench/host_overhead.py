@@ -25,6 +25,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from family_sweep import graph_ms
 from hal.api import create_backend
 from hal.backend import AttentionMetadata
 
@@ -44,9 +45,9 @@ def host_us(fn, calls: int) -> float:
     return sorted(loops)[2]
 
 
-def capture(fn, calls: int = 1):
-    """A CUDA graph of ``calls`` calls of ``fn`` (warmed on a side stream first, as torch asks), replayed
-    once; returns (the graph, the last captured call's output)."""
+def capture(fn):
+    """One call of ``fn`` captured in a CUDA graph (warmed on a side stream first, as torch asks) and
+    replayed; returns that call's output."""
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -54,35 +55,25 @@ def capture(fn, calls: int = 1):
         fn()
     torch.cuda.current_stream().wait_stream(stream)
     with torch.cuda.graph(graph):
-        for _ in range(calls):
-            out = fn()
+        out = fn()
     graph.replay()
     torch.cuda.synchronize()
-    return graph, out
+    return out
 
 
-def device_us(fn, calls: int = 50) -> float | None:
-    """Device time per call from a CUDA graph of ``calls`` calls; None if the op cannot be captured."""
+def device_us(fn) -> float | None:
+    """Device time per call by CUDA-graph replay (family_sweep's timer); None if the op cannot be captured."""
     try:
-        graph, _ = capture(fn, calls)
+        return graph_ms([fn]) * 1e3
     except Exception:                      # noqa: BLE001 - the row records that the op is not capturable
         return None
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(5):
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return sorted(times)[2]
 
 
 def captured_bits_equal(fn) -> tuple[bool, str]:
     """Capture one call in a CUDA graph, replay it, and compare its output with an eager call's, bitwise."""
     eager = fn()
     try:
-        _, captured = capture(fn)
+        captured = capture(fn)
     except Exception as exc:               # noqa: BLE001
         return False, f"capture failed: {type(exc).__name__}: {str(exc)[:160]}"
     outs = (eager, captured) if isinstance(eager, tuple) else ((eager,), (captured,))

@@ -117,10 +117,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     n = x.shape[-1]
     if many_rows and num_warps is None and 2 <= n and next_power_of_2(n) <= min(NARROW, spec.row_block):
         return rms_norm_rows(x, weight, eps, residual, spec)
-    x2 = x.reshape(-1, n)
-    out = torch.empty_like(x2)
-    res2 = residual.reshape(-1, n) if residual is not None else x2
-    res_out = torch.empty_like(x2) if residual is not None else out
+    x2, res2, out, res_out = _norm_buffers(x, residual)
     block = min(spec.row_block, next_power_of_2(n))
     if x2.shape[0]:
         kernel = _rms_norm_kernel_width_1 if n == 1 else _rms_norm_kernel
@@ -171,16 +168,13 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: t
     the fastest on the H200 at 128-wide rows). Launch choices never change the bits. ``rms_norm`` sends
     it rows of up to NARROW elements only: at 256 wide it was slower than one row per program."""
     n = x.shape[-1]
-    x2 = x.reshape(-1, n)
-    out = torch.empty_like(x2)
-    res2 = residual.reshape(-1, n) if residual is not None else x2
-    res_out = torch.empty_like(x2) if residual is not None else out
     block = next_power_of_2(n)
     if n < 2 or block > min(256, spec.row_block):
         raise ValueError(f"rms_norm_rows: rows of {n} elements; it takes 2..{min(256, spec.row_block)}")
     rows_per_program = rows_per_program or max(1, 1024 // block)
     if rows_per_program & (rows_per_program - 1):
         raise ValueError(f"rms_norm_rows: rows_per_program must be a power of two, got {rows_per_program}")
+    x2, res2, out, res_out = _norm_buffers(x, residual)
     if x2.shape[0]:
         _rms_norm_rows_kernel[(triton.cdiv(x2.shape[0], rows_per_program),)](
             x2, res2, weight, out, res_out, x2.shape[0], n, x2.stride(0), res2.stride(0), out.stride(0),
@@ -188,6 +182,17 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: t
             BLOCK=block, LEVELS=block.bit_length() - 1, ROWS=rows_per_program,
             MEAN_RECIPROCAL=spec.inv_rms == "mul_reciprocal_div_rn_sqrt_rn", num_warps=num_warps, **LAUNCH)
     return out.view(x.shape), (res_out.view(x.shape) if residual is not None else None)
+
+
+def _norm_buffers(x: torch.Tensor, residual: torch.Tensor | None):
+    """(x2, res2, out, res_out): x and the residual as rows, and the outputs to write. Without a residual,
+    res2 is x2 and res_out is out (the kernels read and write neither)."""
+    n = x.shape[-1]
+    x2 = x.reshape(-1, n)
+    out = torch.empty_like(x2)
+    res2 = residual.reshape(-1, n) if residual is not None else x2
+    res_out = torch.empty_like(x2) if residual is not None else out
+    return x2, res2, out, res_out
 
 
 @functools.lru_cache(maxsize=64)
