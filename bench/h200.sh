@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (the `device` tool), from the repository root:
-#   bash bench/h200.sh STEP...     steps: equal tile kit-quick kit-full negative model prefill bench sweep profile vllm-part vllm
+#   bash bench/h200.sh STEP...     steps: equal tile kit-quick kit-full negative model prefill bench sweep profile digest
+#                                  vllm-part vllm grpo
 #                                  (default: equal tile kit-quick negative model bench)
 # Installs this checkout (and the carried stevedore wheel in .whl/) into /tmp/site, then runs
 # from outside the checkout so that the installed package (with hal.backends.cuda) is imported.
@@ -33,6 +34,13 @@ cd /tmp
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv | tee "$out/gpu.txt"
 python3 -m hal.cli doctor > "$out/doctor.txt"
 status=0
+vllm_env() {  # the GPU vLLM bundle unpacked into /tmp/site (once per machine) and the variables it needs
+  if [ ! -d /tmp/site/vllm ]; then
+    (cd /tmp/vllm-parts && sha256sum -c SHA256SUMS) && cat /tmp/vllm-parts/part.* | xz -d | tar -x -C /tmp/site || return 1
+  fi
+  export LD_LIBRARY_PATH=/opt/torch/.venv/lib/python3.12/site-packages/nvidia/cu13/lib:${LD_LIBRARY_PATH:-}
+  export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/kit/triton}
+}
 for step in $steps; do
   echo "== $step"
   case $step in
@@ -88,16 +96,21 @@ for step in $steps; do
                ls -l /tmp/vllm-parts ;;
     vllm) # unpack the bundle (../shared/tools/vllm-gpu/README.md), then bench/vllm_gpu.py with VLLM_BENCH_ARGS;
           # VLLM_TAG names this run's files (several runs in one call)
-          if [ ! -d /tmp/site/vllm ]; then
-            (cd /tmp/vllm-parts && sha256sum -c SHA256SUMS) && cat /tmp/vllm-parts/part.* | xz -d | tar -x -C /tmp/site || { status=1; continue; }
-          fi
-          export LD_LIBRARY_PATH=/opt/torch/.venv/lib/python3.12/site-packages/nvidia/cu13/lib:${LD_LIBRARY_PATH:-}
-          export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/kit/triton}
+          vllm_env || { status=1; continue; }
           tag=${VLLM_TAG:-run}; work=/tmp/vllm-gpu-bench
           python3 "$repo/bench/vllm_gpu.py" ${VLLM_BENCH_ARGS:-} --workdir "$work" --json "$out/vllm_gpu_$tag.json" \
             > "$out/vllm_gpu_$tag.log" 2>&1 || status=1
           (cd "$work" && tar czf "$out/vllm_engine_logs_$tag.tgz" *.log $(ls *.profile.txt 2>/dev/null))
           tail -n 40 "$out/vllm_gpu_$tag.log" ;;
+    digest) python3 "$repo/bench/digest_gpu.py" --json "$out/digest_gpu.json" > "$out/digest_gpu.log" 2>&1 || status=1
+            tail -n 20 "$out/digest_gpu.log" ;;
+    grpo) # the GPU recipe (recipes/grpo-h200.yaml) with GPU vLLM rollouts; GRPO_ARGS: recipe overrides
+          # (e.g. "resume=true" to continue a run this machine checkpointed); GRPO_TIMEOUT: seconds (540)
+          vllm_env || { status=1; continue; }
+          timeout "${GRPO_TIMEOUT:-540}" python3 -m hal.cli run "$repo/recipes/grpo-h200.yaml" output_dir=/tmp/runs/grpo-h200 \
+            ${GRPO_ARGS:-} > "$out/grpo_h200.log" 2>&1 || status=1
+          cp /tmp/runs/grpo-h200/metrics.jsonl /tmp/runs/grpo-h200/report.md "$out/" 2>/dev/null
+          tail -n 30 "$out/grpo_h200.log" ;;
     *) echo "unknown step $step"; status=2 ;;
   esac
 done

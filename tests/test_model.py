@@ -170,6 +170,42 @@ def test_autograd_ops_return_kernel_bits_and_reference_gradients(dtype):
     torch.testing.assert_close(logits.grad, want)
 
 
+def test_training_attention_gradient_with_repeated_lengths():
+    """train_attention's gradient (its graph batches the sequences of one length together) against fp64
+    causal attention of each sequence alone, for lengths that repeat out of order; and its forward is
+    the kernel's."""
+    g = torch.Generator().manual_seed(4)
+    lens, hq, hkv, d, scale = [3, 5, 3, 1, 5, 5, 2], 4, 2, 8, 0.35
+    t = sum(lens)
+    q, k, v = (torch.randn(t, h, d, generator=g, requires_grad=True) for h in (hq, hkv, hkv))
+    layout = PackedLayout.build(lens, page_size=4)
+    out = ag.train_attention(REF, q, k, v, layout, scale)
+    cache = PagedKVCache.allocate(layout.num_pages, 4, hkv, d, torch.float32, "cpu")
+    assert torch.equal(out, ag.write_and_attend(REF, q, k, v, cache, layout.slot_mapping, layout.meta, scale))
+    coef = torch.randn(t, hq, d, generator=g, dtype=torch.float64)
+    (out.double() * coef).sum().backward()
+
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    start, total = 0, 0
+    for n in lens:
+        qs = q64[start:start + n].transpose(0, 1)
+        ks = k64[start:start + n].transpose(0, 1).repeat_interleave(hq // hkv, 0)
+        vs = v64[start:start + n].transpose(0, 1).repeat_interleave(hq // hkv, 0)
+        scores = (qs @ ks.transpose(-1, -2) * scale).masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), -math.inf)
+        total = total + ((torch.softmax(scores, -1) @ vs).transpose(0, 1) * coef[start:start + n]).sum()
+        start += n
+    total.backward()
+    for got, want in ((q.grad, q64.grad), (k.grad, k64.grad), (v.grad, v64.grad)):
+        err = float((got.double() - want).norm() / want.norm())
+        assert err <= 1e-5, f"relative gradient error {err:.3g}"
+    # negative control: the gradient of attention over the whole packed batch (no per-sequence mask) is far off
+    mixed = torch.softmax((q64.transpose(0, 1) @ k64.transpose(0, 1).repeat_interleave(2, 0).transpose(-1, -2)
+                           * scale).masked_fill(~torch.ones(t, t, dtype=torch.bool).tril(), -math.inf), -1)
+    q_wrong = torch.autograd.grad(((mixed @ v64.transpose(0, 1).repeat_interleave(2, 0)).transpose(0, 1)
+                                   * coef).sum(), q64)[0]
+    assert float((q.grad.double() - q_wrong).norm() / q_wrong.norm()) > 1e-2
+
+
 def test_straight_through_has_visible_value_and_graph_gradient():
     x = torch.randn(5, requires_grad=True)
     visible = (x.detach() * 3).round()           # a kernel without derivative

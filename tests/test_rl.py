@@ -25,7 +25,7 @@ from hal.rl.task import DIGIT_BASE, CountUp, EvenToken, TargetToken
 ROOT = Path(__file__).resolve().parent.parent
 SMOKE = ROOT / "recipes" / "ci-smoke.yaml"
 # Fields that depend on the wall clock, not on the computation.
-TIMING = {"rollout_s", "train_s", "rollout_tokens_per_s", "train_tokens_per_s", "resumed"}
+TIMING = {"rollout_s", "train_s", "entropy_s", "sync_s", "rollout_tokens_per_s", "train_tokens_per_s", "resumed"}
 
 
 def _recipe(tmp_path, *overrides):

@@ -284,19 +284,29 @@ class PackedLayout:
 
 
 def _attention_graph(q, k, v, seq_lens: Iterable[int], scale: float) -> torch.Tensor:
-    """Causal GQA attention of packed sequences in fp32 plain PyTorch: (T, Hq, D) fp32."""
+    """Causal GQA attention of packed sequences in fp32 plain PyTorch: (T, Hq, D) fp32.
+
+    Sequences of one length are computed together, as one batch (a GRPO step's completions mostly share
+    a length: one batched product per length instead of one small one per sequence, which made the
+    backward host-bound); each sequence still attends to itself alone."""
     group = q.shape[1] // k.shape[1]
-    outs, start = [], 0
+    by_len: dict[int, list[int]] = {}
+    start = 0
     for n in seq_lens:
-        qs = q[start:start + n].float().transpose(0, 1)                                  # (Hq, n, D)
-        ks = k[start:start + n].float().transpose(0, 1).repeat_interleave(group, dim=0)  # (Hq, n, D)
-        vs = v[start:start + n].float().transpose(0, 1).repeat_interleave(group, dim=0)
+        by_len.setdefault(n, []).append(start)
+        start += n
+    rows, outs = [], []
+    for n, starts in by_len.items():
+        idx = (torch.tensor(starts, device=q.device)[:, None] + torch.arange(n, device=q.device)).reshape(-1)
+        qs = q[idx].float().unflatten(0, (len(starts), n)).transpose(1, 2)        # (S, Hq, n, D)
+        ks = k[idx].float().unflatten(0, (len(starts), n)).transpose(1, 2).repeat_interleave(group, dim=1)
+        vs = v[idx].float().unflatten(0, (len(starts), n)).transpose(1, 2).repeat_interleave(group, dim=1)
         scores = (qs @ ks.transpose(-1, -2)) * scale
         causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
         probs = torch.softmax(scores.masked_fill(~causal, -math.inf), dim=-1)
-        outs.append((probs @ vs).transpose(0, 1))
-        start += n
-    return torch.cat(outs)
+        outs.append((probs @ vs).transpose(1, 2).reshape(len(starts) * n, *q.shape[1:]))
+        rows.append(idx)
+    return torch.cat(outs)[torch.argsort(torch.cat(rows))]       # back to the packed order
 
 
 def write_and_attend(backend: Backend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

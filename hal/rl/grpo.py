@@ -318,7 +318,9 @@ class GRPORun:
                 m["engine"] = engine.describe()
                 m["contract_fingerprint"] = ident["fingerprint"]
                 m["engine_weights_sha256"] = seen[:16]      # the weights this step's rollout used
+                t0 = time.perf_counter()
                 synced = engine.sync(model)                 # raises WeightSyncError unless exact
+                m["sync_s"] = time.perf_counter() - t0      # the copy and its check
                 m["weights_changed"] = synced != seen
                 seen = synced
                 metrics_log.append(m)
@@ -349,7 +351,9 @@ class GRPORun:
         _require_finite(step, "the rollout's logprobs", [c.logprobs for c in completions])
         _require_finite(step, "the trainer's logprobs", train)
         consistency = compare_logprobs(train, [c.logprobs for c in completions])
+        t_entropy = time.perf_counter()
         entropy = response_entropy(model, completions, r.temperature)   # the pre-update sampling policy
+        entropy_s = time.perf_counter() - t_entropy
         old = [lp.detach() for lp in train]
         loss = grpo_loss(train, old, advantages, r.clip)
         optimizer.zero_grad(set_to_none=True)
@@ -370,7 +374,7 @@ class GRPORun:
             "entropy": entropy,
             "loss": float(loss.detach()),
             "rollout_tokens": gen_tokens, "train_tokens": train_tokens,
-            "rollout_s": t1 - t0, "train_s": train_s,
+            "rollout_s": t1 - t0, "train_s": train_s, "entropy_s": entropy_s,
             "rollout_tokens_per_s": gen_tokens / max(t1 - t0, 1e-9),
             "train_tokens_per_s": train_tokens / max(train_s, 1e-9),
             "cached_prompt_tokens": sum(c.cached_prompt_tokens for c in completions),

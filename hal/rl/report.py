@@ -83,6 +83,7 @@ def progress_line(m: dict, steps: int) -> str:
     return (f"[{m['backend']}] step {m['step']:>3}/{steps}  reward {m['reward']:.3f}  {diff:<14} "
             f"max|dlogp| {_g(m['max_abs_diff']):<8} k3-KL {_g(m['k3_kl']):<8} entropy {m['entropy']:.3f}  "
             f"rollout {m['rollout_tokens_per_s']:.0f} tok/s  train {m['train_tokens_per_s']:.0f} tok/s"
+            + (f"  sync {m['sync_s']:.2f} s" if "sync_s" in m else "")
             + ("  (resumed)" if m.get("resumed") else ""))
 
 

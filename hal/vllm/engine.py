@@ -24,12 +24,12 @@ from typing import Sequence
 
 import torch
 
+from hal.digest import tensor_digest
 from hal.errors import HalError, UnsupportedError, WeightSyncError
 from hal.model.checkpoint import hf_slices
 from hal.model.model import DecoderLM
 from hal.rollout.harness import Completion, Request
 from hal.vllm.binding import QUANT_METHOD, SEED_ARG, EngineBinding
-from hal.vllm.worker import tensor_digest
 
 log = logging.getLogger(__name__)
 

@@ -6,17 +6,18 @@ multi-process engines need no insecure serialization):
 * ``hal_binding``: what this worker's model actually bound, found by walking its modules, not by
   trusting the config: the backend and fingerprint every routed op holds, any op left unrouted, and
   (a probe forward, ``hal.vllm.introspection.probe_hal_calls``) any routed module that made no HAL call;
-* ``hal_weight_pointers`` / ``hal_weights_digest``: storage addresses, and sha256 per parameter (vLLM
-  names, which the trainer's ``DecoderLM`` shares), so a weight sync can be checked to be in place
-  and complete.
+* ``hal_weight_pointers`` / ``hal_weights_digest``: storage addresses, and a digest per parameter
+  (``hal.digest.tensor_digest``, read on the worker's device; vLLM names, which the trainer's
+  ``DecoderLM`` shares), so a weight sync can be checked to be in place and complete.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 
 import torch
+
+from hal.digest import tensor_digest
 
 
 def pack_weights(weights) -> list[tuple[str, str, list[int], bytes]]:
@@ -39,16 +40,6 @@ def unpack_weights(packed) -> list[tuple[str, torch.Tensor]]:
              else torch.empty(0, dtype=dtype))
         out.append((name, t.reshape(shape)))
     return out
-
-
-def tensor_digest(t: torch.Tensor) -> str:
-    """sha256 of a tensor's bytes (bf16 viewed as int16, fp8 as uint8: numpy has neither)."""
-    t = t.detach().to("cpu").contiguous()
-    if t.dtype == torch.bfloat16:
-        t = t.view(torch.int16)
-    elif t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        t = t.view(torch.uint8)
-    return hashlib.sha256(t.numpy().tobytes()).hexdigest()
 
 
 def trainer_name(vllm_name: str) -> str:
@@ -114,7 +105,7 @@ class HalWorkerExtension:
         return {trainer_name(name): p.data_ptr() for name, p in self._hal_model().named_parameters()}
 
     def hal_weights_digest(self, rows: dict[str, int] | None = None) -> dict:
-        """{parameter name (the trainer's): [sha256, data_ptr, shape]} of the engine's weights; ``rows`` limits a
+        """{parameter name (the trainer's): [digest, data_ptr, shape]} of the engine's weights; ``rows`` limits a
         parameter to its first rows (vLLM pads the vocabulary of the embedding and lm_head to a multiple
         of 64). Stock CPU linears report an empty weight: vLLM repacked it for oneDNN."""
         rows = rows or {}
