@@ -28,6 +28,7 @@ forging bytes on purpose (use sha256 for that: the checkpoint file's payload kee
 from __future__ import annotations
 
 import hashlib
+from typing import Sequence
 
 import torch
 
@@ -51,30 +52,63 @@ def words(t: torch.Tensor) -> tuple[torch.Tensor, int]:
     return flat.view(torch.int32), nbytes
 
 
-def fingerprint(t: torch.Tensor) -> tuple[int, int, int]:
-    """(byte count, lane 0, lane 1) of ``t``'s bytes (the module docstring's function). A CUDA tensor is
-    read once by ``hal.kernels.digest`` on its GPU; any other tensor by ``fingerprint_torch``."""
-    w, nbytes = words(t)
-    if w.device.type == "cuda":
-        from hal.kernels.digest import lane_sums
+def fingerprints(tensors: Sequence[torch.Tensor]) -> list[tuple[int, int, int]]:
+    """(byte count, lane 0, lane 1) of each tensor's bytes (the module docstring's function). CUDA tensors
+    are read by ``hal.kernels.digest`` on their GPU, any other by the torch implementation; the lane sums
+    stay on the device until one transfer for all of them (a weight sync checks hundreds of tensors)."""
+    sums, sizes = [], []
+    for t in tensors:
+        w, nbytes = words(t)
+        if w.device.type == "cuda":
+            from hal.kernels.digest import lane_sums
 
-        lanes = lane_sums(w)
-    else:
-        lanes = _lane_sums_torch(w)
-    return (nbytes, *lanes)
+            sums.append(lane_sums(w))
+        else:
+            sums.append(_lane_sums_torch(w))
+        sizes.append(nbytes)
+    return [(nbytes, *_lanes(values)) for nbytes, values in zip(sizes, _to_host(sums))]
+
+
+def fingerprint(t: torch.Tensor) -> tuple[int, int, int]:
+    """``fingerprints`` of one tensor."""
+    return fingerprints([t])[0]
 
 
 def fingerprint_torch(t: torch.Tensor) -> tuple[int, int, int]:
     """``fingerprint`` in plain torch integer ops on any device (the specification the kernel is tested
     against)."""
     w, nbytes = words(t)
-    return (nbytes, *_lane_sums_torch(w))
+    return (nbytes, *_lanes(_lane_sums_torch(w).tolist()))
+
+
+def tensor_digests(tensors: Sequence[torch.Tensor]) -> list[str]:
+    """A hex digest of each tensor's dtype, shape and bytes (``fingerprints``): equal for equal tensors on
+    any device."""
+    return [hashlib.sha256(f"{t.dtype}:{tuple(t.shape)}:{nbytes}:{lane0:016x}:{lane1:016x}".encode()).hexdigest()
+            for t, (nbytes, lane0, lane1) in zip(tensors, fingerprints(tensors))]
 
 
 def tensor_digest(t: torch.Tensor) -> str:
-    """A hex digest of ``t``'s dtype, shape and bytes (``fingerprint``): equal for equal tensors on any device."""
-    nbytes, lane0, lane1 = fingerprint(t)
-    return hashlib.sha256(f"{t.dtype}:{tuple(t.shape)}:{nbytes}:{lane0:016x}:{lane1:016x}".encode()).hexdigest()
+    """``tensor_digests`` of one tensor."""
+    return tensor_digests([t])[0]
+
+
+def _lanes(values) -> tuple[int, int]:
+    """The two lane values from the four sums (lane 0's high and low 16-bit halves, then lane 1's)."""
+    hi0, lo0, hi1, lo1 = (int(v) for v in values)
+    return (hi0 * 65536 + lo0) % (1 << 64), (hi1 * 65536 + lo1) % (1 << 64)
+
+
+def _to_host(sums: list[torch.Tensor]) -> list[list[int]]:
+    """The (4,) int64 sums as Python ints, one transfer per device."""
+    out: list[list[int] | None] = [None] * len(sums)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, s in enumerate(sums):
+        by_device.setdefault(s.device, []).append(i)
+    for indices in by_device.values():
+        for i, values in zip(indices, torch.stack([sums[i] for i in indices]).tolist()):
+            out[i] = values
+    return out
 
 
 # -- the torch implementation: int64 tensors holding 32-bit unsigned values --------------------------
@@ -93,8 +127,10 @@ def _fmix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def _lane_sums_torch(w: torch.Tensor) -> tuple[int, int]:
-    sums = [0, 0]
+def _lane_sums_torch(w: torch.Tensor) -> torch.Tensor:
+    """(4,) int64 on ``w``'s device: each lane's sum of the high and of the low 16-bit halves of its mixed
+    words (summed apart: exact in int64 for any tensor under 2**47 words, whatever torch's order)."""
+    sums = torch.zeros(4, dtype=torch.int64, device=w.device)
     for start in range(0, w.numel(), TORCH_CHUNK):
         word = w[start:start + TORCH_CHUNK].to(torch.int64) & MASK32
         pos = torch.arange(start, start + word.numel(), dtype=torch.int64, device=w.device)
@@ -102,6 +138,6 @@ def _lane_sums_torch(w: torch.Tensor) -> tuple[int, int]:
         for lane, seed in enumerate(SEEDS):
             key = _fmix32((_mul32(lo, POS_LO) + _mul32(hi, POS_HI) + seed) & MASK32)
             h = _fmix32(word ^ key)
-            # two 16-bit halves summed apart: exact in int64 for any chunk, whatever torch's summation order
-            sums[lane] += int((h >> 16).sum()) * 65536 + int((h & 0xFFFF).sum())
-    return sums[0] % (1 << 64), sums[1] % (1 << 64)
+            sums[2 * lane] += (h >> 16).sum()
+            sums[2 * lane + 1] += (h & 0xFFFF).sum()
+    return sums

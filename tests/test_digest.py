@@ -84,7 +84,7 @@ def test_kernel_equals_torch(words):
 
     g = torch.Generator().manual_seed(words)
     w = torch.randint(-2**31, 2**31, (words,), generator=g, dtype=torch.int32)
-    assert lane_sums(w) == digest._lane_sums_torch(w)
+    assert torch.equal(lane_sums(w), digest._lane_sums_torch(w))
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="interpreter test (a GPU is present)")
@@ -93,7 +93,7 @@ def test_kernel_on_extreme_words():
 
     for value in (0, -1, 2**31 - 1, -2**31):
         w = torch.full((130,), value, dtype=torch.int32)
-        assert lane_sums(w) == digest._lane_sums_torch(w)
+        assert torch.equal(lane_sums(w), digest._lane_sums_torch(w))
 
 
 def test_equal_bytes_equal_digest_and_dtype_shape_enter_it():
@@ -128,3 +128,11 @@ def test_negative_controls_every_broken_copy_is_seen():
     assert digest.fingerprint(padded)[0] != digest.fingerprint(t)[0]
     # and a control on the control: an order-blind sum of the words does miss the swap
     assert int(w.to(torch.int64).sum()) == int(raw.to(torch.int64).sum())
+
+
+def test_batched_digests_equal_one_at_a_time():
+    """tensor_digests (one transfer for all) gives each tensor's own digest, in order."""
+    ts = list(_tensors(5))
+    assert digest.tensor_digests(ts) == [digest.tensor_digest(t) for t in ts]
+    assert digest.fingerprints(ts) == [_fingerprint_py(t) for t in ts]
+    assert len(set(digest.tensor_digests(ts))) == len(ts)

@@ -19,7 +19,7 @@ from conftest import backend_for_tests
 from hal import torch_ops
 from hal.api import create_backend
 from hal.backend import AttentionMetadata
-from hal.errors import HalError
+from hal.errors import HalError, UnsupportedError
 from hal.kvcache import PagedKVCache, build_metadata, slot_mapping
 from hal.rope import cos_sin_cache
 
@@ -166,3 +166,17 @@ def test_the_provider_is_asked_on_every_call():
     for _ in range(3):
         torch.ops.hal.silu_mul(key, torch.randn(2, 8))
     assert len(calls) == 3
+
+
+def test_rotary_positions_in_range_flag(bound):
+    """The flag's op passes opcheck and gives the same bits; on the CPU (where reading a value is free) the
+    range check still runs with it, so a bad position is refused either way."""
+    key, _ = bound
+    args = _args(key)["rotary"]
+    torch.library.opcheck(torch_ops.OPS["rotary"], (*args, True))
+    assert _equal(torch.ops.hal.rotary(*args, True), torch.ops.hal.rotary(*args))
+    bad = (args[0], torch.tensor([0, 5, 64]), *args[2:])          # the table has 64 rows
+    for flag in (False, True):
+        with pytest.raises(UnsupportedError, match=r"positions must be in 0\.\.63"):
+            torch.ops.hal.rotary(*bad, flag)
+

@@ -61,14 +61,14 @@ def _lane_sums_kernel(w_ptr, out_ptr, n, SEED0: tl.constexpr, SEED1: tl.constexp
     tl.store(out_ptr + pid * 4 + 3, tl.sum(lo1, axis=0))
 
 
-def lane_sums(w: torch.Tensor) -> tuple[int, int]:
-    """``hal.digest``'s two lane values of the int32 words ``w`` (1-D, contiguous)."""
+def lane_sums(w: torch.Tensor) -> torch.Tensor:
+    """``hal.digest``'s four sums (lane 0's high and low 16-bit halves, then lane 1's) of the int32 words
+    ``w`` (1-D, contiguous), as a (4,) int64 tensor on ``w``'s device (no host synchronisation)."""
     n = w.numel()
     if n == 0:
-        return 0, 0
+        return torch.zeros(4, dtype=torch.int64, device=w.device)
     programs = triton.cdiv(n, BLOCK * ITERS)
     partial = torch.empty((programs, 4), dtype=torch.int64, device=w.device)
     _lane_sums_kernel[(programs,)](w, partial, n, SEED0=spec.SEEDS[0], SEED1=spec.SEEDS[1], BLOCK=BLOCK,
                                    ITERS=ITERS, **LAUNCH)
-    hi0, lo0, hi1, lo1 = partial.sum(0).tolist()      # < n * 2**16 each: exact in int64
-    return (hi0 * 65536 + lo0) % (1 << 64), (hi1 * 65536 + lo1) % (1 << 64)
+    return partial.sum(0)       # < n * 2**16 each: exact in int64

@@ -22,7 +22,7 @@ from typing import Sequence
 import torch
 
 from hal.backend import Backend
-from hal.digest import tensor_digest
+from hal.digest import tensor_digests
 from hal.errors import UnsupportedError, WeightSyncError
 from hal.model import DecoderLM
 from hal.rl.recipe import Recipe
@@ -34,8 +34,9 @@ def weights_checksum(model: torch.nn.Module) -> str:
     of its bytes, read on the parameter's own device: ~ms per GB on a GPU, where a host sha256 of the
     bytes took seconds), in the order of ``named_parameters``."""
     h = hashlib.sha256()
-    for name, p in model.named_parameters():
-        h.update(f"{name}:{tensor_digest(p)};".encode())
+    named = list(model.named_parameters())
+    for (name, _), digest in zip(named, tensor_digests([p for _, p in named])):
+        h.update(f"{name}:{digest};".encode())
     return h.hexdigest()
 
 

@@ -82,6 +82,10 @@ class HalRotaryEmbedding(_HalRouted, RotaryEmbedding):
             self.register_buffer("hal_table", cos_sin_cache(self.rotary_dim, self.max_position_embeddings,
                                                             self.base, device=torch.get_default_device()),
                                  persistent=False)
+            # vLLM's positions stay below max_model_len (its own cos/sin cache has the same rows and no
+            # check): where that fits the table, the per-call range check (a host synchronisation under
+            # torch.compile, hal.torch_ops.rotary) is skipped; otherwise every call checks.
+            self.hal_positions_in_range = _engine_max_model_len() <= self.max_position_embeddings
 
     def _hal_forward(self, positions, query, key=None):
         if key is None:
@@ -93,8 +97,17 @@ class HalRotaryEmbedding(_HalRouted, RotaryEmbedding):
             raise UnsupportedError(f"hal vLLM plugin: the RoPE table is on {table.device}, the query on {query.device}: "
                                    f"the model was not built on its device (a per-step host copy would follow)")
         q, k = torch.ops.hal.rotary(self.hal.op_key, positions, query.reshape(t, -1, self.head_size),
-                                    key.reshape(t, -1, self.head_size), table)
+                                    key.reshape(t, -1, self.head_size), table, self.hal_positions_in_range)
         return q.reshape(query.shape), k.reshape(key.shape)
+
+
+def _engine_max_model_len() -> float:
+    """The max_model_len of the engine whose model is being built (vLLM builds its modules inside its config's
+    context); inf without a model config: every call checks."""
+    from vllm.config import get_current_vllm_config
+
+    model_config = get_current_vllm_config().model_config
+    return float("inf") if model_config is None else model_config.max_model_len
 
 
 #: in-tree class name -> its HAL replacement

@@ -24,7 +24,7 @@ from typing import Sequence
 
 import torch
 
-from hal.digest import tensor_digest
+from hal.digest import tensor_digests
 from hal.errors import HalError, UnsupportedError, WeightSyncError
 from hal.model.checkpoint import hf_slices
 from hal.model.model import DecoderLM
@@ -295,10 +295,12 @@ class VllmEngine:
         rows = {name: p.shape[0] for name, p in trainer.items() if p.dim()}   # vLLM pads vocabulary rows to 64
         engine = self._one_worker("hal_weights_digest", rows=rows)
         problems, checked, self.unchecked_weights = [], {}, []
+        common = sorted(set(engine) & set(trainer))
+        trainer_digest = dict(zip(common, tensor_digests([trainer[name] for name in common])))
         if set(engine) != set(trainer):
             problems.append(f"parameter names differ: engine-only {sorted(set(engine) - set(trainer))[:4]}, "
                             f"trainer-only {sorted(set(trainer) - set(engine))[:4]}")
-        for name in sorted(set(engine) & set(trainer)):
+        for name in common:
             digest, ptr, shape = engine[name]
             if shape != list(trainer[name].shape):
                 if self.binding is None and shape == [0]:
@@ -307,7 +309,7 @@ class VllmEngine:
                 problems.append(f"{name}: engine shape {shape}, trainer {list(trainer[name].shape)}")
             elif storage is not None and ptr != storage[name]:
                 problems.append(f"{name}: not updated in place (new storage)")
-            elif digest != tensor_digest(trainer[name]):
+            elif digest != trainer_digest[name]:
                 problems.append(f"{name}: engine bytes differ from the trainer's")
             else:
                 checked[name] = digest

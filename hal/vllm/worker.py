@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from hal.digest import tensor_digest
+from hal.digest import tensor_digests
 
 
 def pack_weights(weights) -> list[tuple[str, str, list[int], bytes]]:
@@ -109,10 +109,12 @@ class HalWorkerExtension:
         parameter to its first rows (vLLM pads the vocabulary of the embedding and lm_head to a multiple
         of 64). Stock CPU linears report an empty weight: vLLM repacked it for oneDNN."""
         rows = rows or {}
-        out = {}
+        names, params, views = [], [], []
         for name, p in self._hal_model().named_parameters():
             name = trainer_name(name)
-            view = p[:rows.get(name, p.shape[0])] if p.dim() else p
-            out[name] = [tensor_digest(view), p.data_ptr(), list(view.shape)]
-        return out
+            names.append(name)
+            params.append(p)
+            views.append(p[:rows.get(name, p.shape[0])] if p.dim() else p)
+        return {name: [digest, p.data_ptr(), list(view.shape)]
+                for name, p, view, digest in zip(names, params, views, tensor_digests(views))}
 
