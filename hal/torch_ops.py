@@ -117,10 +117,11 @@ def _(binding, gate_up):
 def rotary(binding: str, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
            cos_sin_cache: torch.Tensor, positions_in_range: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``positions_in_range``: the caller guarantees 0 <= positions < cos_sin_cache rows (a vLLM engine whose
-    max_model_len fits the table), so the backend's range check, a host synchronisation whenever it sees
-    a new positions tensor, is skipped. Compiled code hands every layer a new alias of the positions
-    buffer (Inductor's reinterpret_tensor), so without it each layer's rotary synchronised in eager
-    (prefill and mixed) steps: 28-36 waits of ~1.5 ms per step on the H200."""
+    max_model_len fits the table), so the backend's range check is skipped. That check reads the positions'
+    range once per new positions tensor on an accelerator: a host synchronisation in every eager (prefill,
+    mixed) step of a vLLM engine, which holds the host until the GPU has drained the work queued before it,
+    so the host cannot prepare the next step meanwhile (session 10's 8B Python profile: 0.52 s in
+    ``check_positions`` over a generate's 360 rotary calls, 10 eager steps x 36 layers)."""
     if positions_in_range:
         mark_values_checked(positions)
     return backend_for(binding).rotary(positions, q, k, cos_sin_cache)
