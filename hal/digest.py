@@ -16,7 +16,7 @@ order in which the partial sums are added):
   ``key_i = fmix32(lo(i) * 0x9E3779B1 + hi(i) * 0x85EBCA77 + S_L)`` (``lo``, ``hi``: the 32-bit halves
   of the position), ``h_i = fmix32(w_i ^ key_i)``, with murmur3's 32-bit finaliser ``fmix32`` and every
   product taken mod 2**32;
-* the lane's value is ``sum_i h_i`` (a plain integer sum, < 2**64 for any tensor under 16 GiB of words).
+* the lane's value is ``sum_i h_i mod 2**64`` (an exact integer sum).
 
 What it guarantees: equal bytes give equal fingerprints on every device. A difference anywhere (a
 flipped bit, a swapped or shifted word, a truncated copy) changes a lane's sum unless the per-word
@@ -36,7 +36,6 @@ SEEDS = (0x2545F491, 0x6C078965)       # one per lane
 POS_LO, POS_HI = 0x9E3779B1, 0x85EBCA77
 FMIX1, FMIX2 = 0x85EBCA6B, 0xC2B2AE35
 MASK32 = 0xFFFFFFFF
-MAX_WORDS = 1 << 32                   # 16 GiB: the lane sums stay below 2**64
 TORCH_CHUNK = 1 << 24                 # words per step of the torch implementation (bounded temporaries)
 
 
@@ -46,9 +45,6 @@ def words(t: torch.Tensor) -> tuple[torch.Tensor, int]:
     nbytes = flat.numel()
     if nbytes % 4:
         flat = torch.cat([flat, flat.new_zeros(4 - nbytes % 4)])
-    if flat.numel() // 4 > MAX_WORDS:
-        raise ValueError(f"fingerprint: a tensor of {nbytes} bytes is over the 16 GiB this fingerprint covers; "
-                         f"fingerprint it in slices")
     return flat.view(torch.int32), nbytes
 
 
