@@ -470,3 +470,59 @@ def test_the_kits_moe_accuracy_level_passes_and_catches_planted_bugs(request, ba
                     (op, size, width, dtype)
     assert CHECKS["accuracy"](SwappedGateUpBackend(MOE), op="moe_experts", size=17, width=64, dtype="bfloat16", seed=5)
     assert CHECKS["accuracy"](OffByOneRouterBackend(MOE), op="moe_route", size=17, width=64, dtype="bfloat16", seed=5)
+
+
+class BatchDependentExpertsBackend(ReferenceBackend):
+    """Planted bug for the kit's level 4: a token's expert output moves with its batch-mates (a batch of
+    one is exact, a larger batch adds a share of the batch mean), as an unsorted, batch-order combine would."""
+
+    name = "batch-dependent-experts"
+
+    def moe_experts(self, x, w13, w2, topk_weights, topk_ids, shared=None):
+        out = super().moe_experts(x, w13, w2, topk_weights, topk_ids, shared)
+        return out if x.shape[0] == 1 else (out.float() + 0.05 * x.float().mean(0)).to(out.dtype)
+
+
+@pytest.mark.parametrize("backend_name", ["reference", "cuda"])
+def test_the_kits_moe_train_equals_infer_level_passes_and_catches_planted_bugs(request, backend_name, monkeypatch):
+    """Level 4 for the MoE ops (``hal.conformance.training``): the autograd-wrapped moe_route / moe_experts
+    return the bits of the backend's own kernels run token by token on copies, and their gradients
+    (router logits; x, both expert weights, the routing weights, the shared output) are within the bf16 / fp32
+    bound of fp64 autograd; across the 512 K chunk (hidden 600). Negative controls: a batch-dependent expert
+    output fails the bits, and a wrong derivative in the training graph fails the gradient."""
+    from hal.conformance.runner import CHECKS
+
+    backend = REF if backend_name == "reference" else request.getfixturevalue("cuda")
+    cases = [(17, 600), (3, 17), (1, 1)] if backend_name == "reference" else [(3, 576)]
+    for op in ("moe_route", "moe_experts"):
+        for size, width in cases:
+            for dtype in ("bfloat16", "float32"):
+                assert CHECKS["train_equals_infer"](backend, op=op, size=size, width=width, dtype=dtype, seed=7) == [], \
+                    (op, size, width, dtype)
+    bits = CHECKS["train_equals_infer"](BatchDependentExpertsBackend(MOE), op="moe_experts", size=17, width=64,
+                                        dtype="bfloat16", seed=7)
+    assert any("differs from the inference kernel's bits" in p for p in bits), bits
+    # a training graph whose SiLU has the wrong derivative: the forward bits still match, the gradient does not
+    monkeypatch.setattr(ag.F, "silu", lambda t: t * torch.sigmoid(2 * t))
+    grads = CHECKS["train_equals_infer"](REF, op="moe_experts", size=17, width=64, dtype="float32", seed=7)
+    assert grads and all("gradient" in p for p in grads), grads
+
+
+class FixedChunkExpertsBackend(ReferenceBackend):
+    """Planted bug for the kit's level 6: the expert GEMMs always use bf16-moe-v1's K chunk, whatever
+    contract the backend is bound to."""
+
+    name = "fixed-chunk-experts"
+
+    def moe_experts(self, x, w13, w2, topk_weights, topk_ids, shared=None):
+        return ReferenceBackend(MOE, self.device).moe_experts(x, w13, w2, topk_weights, topk_ids, shared)
+
+
+def test_the_kits_moe_binding_level_passes_and_catches_a_fixed_chunk():
+    """Level 6 for moe_experts: bound to a variant contract with half the K chunk, the reference backend's
+    expert GEMMs give other bits (it reads [gemm].k_chunk); an expert GEMM with a fixed chunk fails the check."""
+    from hal.conformance.test_level6_binding import _moe_experts, _refused_or_followed
+
+    _refused_or_followed(REF, "gemm.k_chunk", _moe_experts)
+    with pytest.raises(pytest.fail.Exception, match="ignores its contract's gemm.k_chunk"):
+        _refused_or_followed(FixedChunkExpertsBackend(MOE), "gemm.k_chunk", _moe_experts)

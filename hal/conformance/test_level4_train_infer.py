@@ -4,14 +4,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hal.conformance.kit import dtypes_for, run_check, run_examples
+from hal.conformance.kit import dtypes_for, run_check, run_examples, skip_unless_in_contract
 
-OPS = ["linear", "attention", "rms_norm", "silu_mul", "rotary", "token_logprobs"]
+OPS = ["linear", "attention", "rms_norm", "silu_mul", "rotary", "token_logprobs", "moe_route", "moe_experts"]
 
 
 @pytest.mark.hal(level=4)
 @pytest.mark.parametrize("op", OPS)
 def test_train_equals_infer(hal_backend, hal_depth, op):
+    skip_unless_in_contract(hal_backend, op)
     widths = [64, 128] if op == "attention" else [1, 16, 17, 64, 129] + ([] if hal_depth == "tiny" else [1000])
 
     @given(size=st.sampled_from([1, 3, 17] + ([] if hal_depth == "tiny" else [70])), width=st.sampled_from(widths),

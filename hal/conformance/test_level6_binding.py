@@ -9,6 +9,7 @@ import torch
 
 from hal.api import require_fingerprint
 from hal.conformance.checks import AttentionCase, random_tensor
+from hal.conformance.kit import skip_unless_in_contract
 from hal.contract import load_contract
 from hal.errors import ContractMismatchError, UnsupportedError
 from hal.kvcache import PagedKVCache, build_metadata, pages_needed, slot_mapping
@@ -76,11 +77,37 @@ BIT_DECIDING = {("gemm", "k_chunk"): _gemm, ("attention", "kv_chunk"): lambda b,
                 ("logprobs", "vocab_chunk"): _logprobs, ("reduce", "row_block"): _sum}
 
 
+def _moe_experts(backend, k_chunk):
+    """A layer of 4 experts, top-2, whose gate/up and down GEMMs both cross ``k_chunk`` (hidden and intermediate
+    2 k_chunk + 7): [moe] runs every expert GEMM under [gemm]'s K-chunk rule."""
+    from hal.moe import Routing
+
+    g = torch.Generator().manual_seed(0)
+    dim, experts, dtype, dev = 2 * k_chunk + 7, 4, _dtype(backend), backend.device
+    x = random_tensor((4, dim), dtype, g, spread=8, device=dev)
+    w13 = random_tensor((experts, 2 * dim, dim), dtype, g, scale=dim ** -0.5, spread=4, device=dev)
+    w2 = random_tensor((experts, dim, dim), dtype, g, scale=dim ** -0.5, spread=4, device=dev)
+    weights, ids = backend.moe_route(random_tensor((4, experts), torch.float32, g, device=dev), Routing(experts, 2))
+    return backend.moe_experts(x, w13, w2, weights, ids)
+
+
 @pytest.mark.hal(level=6, op="contract")
 @pytest.mark.parametrize("number", [f"{s}.{f}" for s, f in BIT_DECIDING])
 def test_a_variant_contract_is_refused_or_followed(hal_backend, number):
     """Halve one bit-deciding integer: the backend bound to the variant refuses it, or gives other bits on an
     input that crosses the boundary (it reads the number from its contract instead of hard-coding it)."""
+    _refused_or_followed(hal_backend, number, BIT_DECIDING[tuple(number.split("."))])
+
+
+@pytest.mark.hal(level=6, op="moe_experts")
+def test_moe_expert_gemms_follow_the_contracts_k_chunk(hal_backend):
+    """The same for the expert GEMMs of an MoE layer: halving [gemm].k_chunk is refused or changes their bits
+    (an expert GEMM that hard-coded its chunk, or ignored it, would keep them)."""
+    skip_unless_in_contract(hal_backend, "moe_experts")
+    _refused_or_followed(hal_backend, "gemm.k_chunk", _moe_experts)
+
+
+def _refused_or_followed(hal_backend, number: str, run) -> None:
     if hal_backend.contract is None:
         pytest.fail(f"backend {hal_backend.name!r} realises no contract")
     base = hal_backend.contract
@@ -97,10 +124,8 @@ def test_a_variant_contract_is_refused_or_followed(hal_backend, number):
     except (ContractMismatchError, UnsupportedError):
         return  # refused: fine
     assert other.fingerprint == variant.fingerprint
-    run = BIT_DECIDING[(section, name)]
-    size = getattr(getattr(base, section), name)
     try:
-        same = torch.equal(run(hal_backend, size), run(other, size))
+        same = torch.equal(run(hal_backend, value), run(other, value))
     except UnsupportedError:
         return  # the variant is accepted at construction but refused per call: fine
     if same:

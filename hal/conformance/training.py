@@ -157,6 +157,51 @@ def train_equals_infer(backend: Backend, op: str, size: int, width: int, dtype: 
             start += n
         backprop(out, torch.cat(outs))
         problems += _grad_problems(op, (q, k, v), (q64, k64, v64), dtype)
+    elif op == "moe_route":
+        from hal.moe import Routing
+
+        experts = 16
+        bias = random_tensor((experts,), torch.float32, g, scale=0.05, device=dev)
+        for label, routing, b in (("softmax top-4", Routing(experts, 4), None),
+                                  ("sigmoid group-limited top-3 + bias",
+                                   Routing(experts, 3, scoring="sigmoid", num_groups=4, topk_groups=2, scaling=2.5),
+                                   bias)):
+            logits = _leaf((size, experts), torch.float32, g, dev, scale=2.0)
+            weights, ids = ag.moe_route(backend, logits, routing, b)
+            same_bits(f"{op} {label}", (weights, ids),
+                      rows_alone(lambda li: backend.moe_route(li, routing, fresh(b)), logits))
+            # the gradient of the chosen experts' weights (the choice itself has none): fp64 scores of the
+            # forward's ids, renormalised and scaled as [moe] says
+            (l64,) = _fp64(logits)
+            scores = torch.softmax(l64, -1) if routing.scoring == "softmax" else torch.sigmoid(l64)
+            chosen = scores.gather(-1, ids.cpu().long())
+            if routing.renormalize:
+                chosen = chosen / chosen.sum(-1, keepdim=True)
+            backprop(weights, chosen * routing.scaling)
+            problems += _grad_problems(f"{op} {label}", (logits,), (l64,), torch.float32)
+    elif op == "moe_experts":
+        from hal.moe import Routing
+
+        hidden, inter, experts, k = max(2, width), 40, 8, 2
+        x = _leaf((size, hidden), dtype, g, dev)
+        w13 = _leaf((experts, 2 * inter, hidden), dtype, g, dev, hidden ** -0.5)
+        w2 = _leaf((experts, hidden, inter), dtype, g, dev, inter ** -0.5)
+        shared = _leaf((size, hidden), dtype, g, dev)
+        route_w, ids = backend.moe_route(random_tensor((size, experts), torch.float32, g, device=dev),
+                                         Routing(experts, k))
+        weights = route_w.detach().clone().requires_grad_(True)
+        out = ag.moe_experts(backend, x, w13, w2, weights, ids, shared)
+        same_bits(op, out, rows_alone(lambda xi, wi, ii, si: backend.moe_experts(xi, fresh(w13), fresh(w2), wi, ii, si),
+                                      x, weights, ids, shared))
+        x64, w13_64, w2_64, wt64, s64 = _fp64(x, w13, w2, weights, shared)
+        expert = ids.cpu().long()
+        out64 = s64
+        for rank in range(k):
+            gate, up = torch.einsum("th,tnh->tn", x64, w13_64[expert[:, rank]]).chunk(2, -1)
+            y = torch.einsum("ti,thi->th", gate * torch.sigmoid(gate) * up, w2_64[expert[:, rank]])
+            out64 = out64 + wt64[:, rank:rank + 1] * y
+        backprop(out, out64)
+        problems += _grad_problems(op, (x, w13, w2, weights, shared), (x64, w13_64, w2_64, wt64, s64), dtype)
     else:
         raise ValueError(f"no train-equals-infer check for op {op!r}")
     return problems
