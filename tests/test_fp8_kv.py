@@ -5,7 +5,8 @@ Properties: attention over an FP8 cache gives a token the same bits in full pref
 per-(token, head) scales and for a fixed scale; the dequantised cache is within half an fp8 step of
 what was written. Negative control: a scale from each write call's amax (per-tensor dynamic KV
 scaling) gives the early tokens other bits when a louder chunk is written with them, so the phases
-differ. The cuda kernels (fused write and read): tests/test_cuda_fp8_kv.py.
+differ. A model with kv_cache_dtype "fp8": rollout (the harness) == training bitwise, on reference and
+the cuda kernels. The cuda kernels (fused write and read): tests/test_cuda_fp8_kv.py.
 """
 
 from __future__ import annotations
@@ -96,3 +97,73 @@ def test_write_checks_shapes():
     cache = fp8.Fp8KVCache(4, 16, HKV, D, FP8.fp8)
     with pytest.raises(Exception, match="must be \\(T, Hkv=2, D=64\\)"):
         cache.write(torch.zeros(3, HKV, D), torch.zeros(3, HKV, D), torch.zeros(2, dtype=torch.long))
+
+
+# -- a model's attention over the FP8 cache: rollout (the harness) == training ------------------------
+
+def _fp8_kv_model(backend, dtype="bfloat16", **extra):
+    from hal.model import DecoderLM, tiny_config
+
+    return DecoderLM.random(tiny_config("qwen3", dtype, kv_cache_dtype="fp8", **extra), seed=11, backend=backend)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_model_with_an_fp8_kv_cache_trains_on_the_rollouts_bits(dtype):
+    """kv_cache_dtype "fp8": the harness (three schedules: pages of 3, 16 and 5 keys, chunked prefill,
+    preemption, batch-mates) and the trainer (two packings, its own fresh FP8 caches) write K/V through the
+    contract's quantiser and read them through its one read path: the same tokens and bitwise the same
+    logprobs everywhere. Negative control: the same weights with a bf16 cache give other logprobs (the FP8
+    path is really taken)."""
+    from conftest import assert_schedules_and_trainer_agree
+    from test_rollout import PACKINGS, SCHEDULES, make_requests
+
+    from hal.rollout import RolloutHarness, recompute_logprobs
+
+    model = _fp8_kv_model(REF, dtype)
+    assert type(model.allocate_kv_cache(2, 4)[0]) is fp8.Fp8KVCache
+    requests = make_requests(seed=9)
+    runs = [RolloutHarness(model, cfg).generate(requests) for cfg in SCHEDULES]
+    with torch.no_grad():
+        trains = [recompute_logprobs(model, runs[0], **packing) for packing in PACKINGS]
+    assert sum(len(c.tokens) for c in runs[0]) >= 40
+    assert_schedules_and_trainer_agree(runs, trains)
+
+    bf16_cache = type(model)(model.config.replace(kv_cache_dtype="auto"), backend=REF)
+    bf16_cache.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        other = recompute_logprobs(bf16_cache, runs[0], **PACKINGS[0])
+    assert not all(torch.equal(a, c.logprobs) for a, c in zip(other, runs[0]))
+
+
+def test_an_fp8_kv_cache_needs_a_contract_with_fp8_and_is_refused_by_the_vllm_engine(tmp_path):
+    from hal.errors import UnsupportedError
+    from hal.model import tiny_config
+    from hal.rl.engines import VllmRolloutEngine
+
+    dense = create_backend("reference")
+    with pytest.raises(UnsupportedError, match=r"kv_cache_dtype 'fp8'.*no \[fp8\] section"):
+        _fp8_kv_model(dense).allocate_kv_cache(2, 4)
+    with pytest.raises(UnsupportedError, match="kv_cache_dtype must be one of auto, fp8"):
+        tiny_config("qwen3", kv_cache_dtype="int8")
+    # the engine refuses before it reads the recipe or writes a checkpoint
+    with pytest.raises(UnsupportedError, match="no HAL route for kv_cache_dtype 'fp8'"):
+        VllmRolloutEngine(_fp8_kv_model(REF), None, REF, tmp_path)
+    assert not any(tmp_path.iterdir())
+
+
+def test_model_with_an_fp8_kv_cache_on_the_cuda_kernels():
+    """The same property with the cuda backend's fused FP8 write and read (under Triton's interpreter):
+    one schedule with chunked prefill and preemption, one training packing."""
+    from conftest import assert_schedules_and_trainer_agree, backend_for_tests
+    from test_rollout import PACKINGS, SCHEDULES, make_requests
+
+    from hal.rollout import RolloutHarness, recompute_logprobs
+
+    backend_for_tests("cuda")
+    cuda = create_backend("cuda", FP8)
+    model = _fp8_kv_model(cuda, head_dim=64)
+    requests = make_requests(seed=9, count=2)
+    runs = [RolloutHarness(model, cfg).generate(requests) for cfg in SCHEDULES[:2]]
+    with torch.no_grad():
+        trains = [recompute_logprobs(model, runs[0], **PACKINGS[1])]
+    assert_schedules_and_trainer_agree(runs, trains)

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from hal.backend import AttentionMetadata, Backend
 from hal.errors import HalError, WeightsChangedError
+from hal.fp8 import Fp8KVCache
 from hal.kvcache import PagedKVCache, build_metadata, pages_needed
 from hal.moe import slots_by_expert
 
@@ -310,20 +311,29 @@ def _attention_graph(q, k, v, seq_lens: Iterable[int], scale: float) -> torch.Te
 
 
 def write_and_attend(backend: Backend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     cache: PagedKVCache, slot_mapping: torch.Tensor, meta: AttentionMetadata,
-                     scale: float) -> torch.Tensor:
-    """The cache path shared by training and inference: ``write_kv`` then ``attention``."""
+                     cache, slot_mapping: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """The cache path shared by training and inference: ``write_kv`` then ``attention``; for an FP8 cache
+    (``hal.fp8.Fp8KVCache``) the quantising ``fp8_write_kv`` and ``fp8_attention``, its one read path."""
+    if isinstance(cache, Fp8KVCache):
+        cache.write(k, v, slot_mapping, backend=backend)
+        return cache.attention(backend, q, meta, scale=scale)
     backend.write_kv(k, v, cache.k, cache.v, slot_mapping)
     return backend.attention(q, cache.k, cache.v, meta, scale=scale)
 
 
 def train_attention(backend: Backend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PackedLayout,
-                    scale: float, *, name: str = "attention") -> torch.Tensor:
+                    scale: float, *, kv_spec=None, name: str = "attention") -> torch.Tensor:
     """Training attention of packed sequences: K, V are written into a fresh contiguous paged cache
-    with ``backend.write_kv`` and read back by ``backend.attention`` (the rollout path); the gradient
-    is that of fp32 causal softmax attention. q: (T, Hq, D), k, v: (T, Hkv, D); returns (T, Hq, D)."""
+    with ``backend.write_kv`` and read back by ``backend.attention`` (the rollout path), or with
+    ``kv_spec`` (a contract's [fp8]) into an FP8 cache the rollout's way; the gradient is that of fp32
+    causal softmax attention (the cache's quantisation counts as the identity). q: (T, Hq, D), k, v:
+    (T, Hkv, D); returns (T, Hq, D)."""
     def visible(q, k, v):
-        cache = PagedKVCache.allocate(layout.num_pages, layout.page_size, k.shape[1], k.shape[2], k.dtype, k.device)
+        if kv_spec is not None:
+            cache = Fp8KVCache(layout.num_pages, layout.page_size, k.shape[1], k.shape[2], kv_spec, k.device)
+        else:
+            cache = PagedKVCache.allocate(layout.num_pages, layout.page_size, k.shape[1], k.shape[2], k.dtype,
+                                          k.device)
         return write_and_attend(backend, q, k, v, cache, layout.slot_mapping, layout.meta, scale)
 
     def graph(q, k, v):

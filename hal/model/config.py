@@ -157,6 +157,9 @@ def dtype_from_name(name: str | torch.dtype) -> torch.dtype:
     return _DTYPES[key]
 
 
+KV_CACHE_DTYPES = ("auto", "fp8")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Shapes and switches of a decoder LLM. Weights use vLLM's layout (see ``hal.model.model``)."""
@@ -190,6 +193,10 @@ class ModelConfig:
     n_shared_experts: int = 0                 # shared experts of moe_intermediate_size each, one merged MLP
     # Block FP8 (HF quantization_config): attention and dense-MLP projections are FP8 linears
     fp8: Fp8Quantization | None = None
+    # The KV cache of rollout and training attention: "auto" (the activation dtype) or "fp8" (the contract's
+    # [fp8].kv_format with its scale rule, hal.fp8.Fp8KVCache). A run-time choice, as vLLM's kv_cache_dtype:
+    # not in config.json
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self):
         if self.architecture not in ARCHITECTURES:
@@ -216,6 +223,9 @@ class ModelConfig:
                                    f"not {self.architecture!r}")
         if self.fp8 is not None:
             self._check_fp8_shapes()
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise UnsupportedError(f"model config: kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
+                                   f"{self.kv_cache_dtype!r}")
 
     def _check_fp8_shapes(self) -> None:
         """Every FP8 linear's K is whole blocks (the activation groups), and every merged projection's

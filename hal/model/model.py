@@ -53,6 +53,7 @@ from torch import nn
 from hal import api
 from hal.backend import AttentionMetadata, Backend
 from hal.errors import HalError, UnsupportedError
+from hal.fp8 import Fp8KVCache
 from hal.kvcache import PagedKVCache
 from hal.model import autograd as ag
 from hal.model.config import ModelConfig
@@ -503,9 +504,27 @@ class DecoderLM(nn.Module):
 
     # -- inference ------------------------------------------------------------------------------
 
+    def kv_spec(self, backend: Backend | None = None):
+        """The contract's [fp8] section that this model's FP8 KV cache follows (``config.kv_cache_dtype``
+        "fp8"), None for a cache in the activation dtype. Refuses a contract without [fp8]."""
+        if self.config.kv_cache_dtype == "auto":
+            return None
+        backend = backend or self.backend
+        if backend.contract is None or backend.contract.fp8 is None:
+            contract = "no contract" if backend.contract is None else f"contract {backend.contract.name!r}"
+            raise UnsupportedError(f"kv_cache_dtype 'fp8': backend {backend.name!r} runs {contract}, which has no "
+                                   f"[fp8] section to say how the cache is quantised and read; use a contract that "
+                                   f"has one (bf16-fp8-v1), or kv_cache_dtype 'auto'")
+        return backend.contract.fp8
+
     def allocate_kv_cache(self, num_pages: int, page_size: int) -> list[PagedKVCache]:
-        """One paged cache per layer, (num_pages, page_size, Hkv, D) in the model dtype."""
+        """One paged cache per layer, (num_pages, page_size, Hkv, D): in the model dtype, or with
+        ``kv_cache_dtype`` "fp8" an ``hal.fp8.Fp8KVCache`` under the contract's [fp8]."""
         c = self.config
+        spec = self.kv_spec()
+        if spec is not None:
+            return [Fp8KVCache(num_pages, page_size, c.num_kv_heads, c.head_dim, spec, self.device)
+                    for _ in range(c.num_layers)]
         return [PagedKVCache.allocate(num_pages, page_size, c.num_kv_heads, c.head_dim, self.dtype, self.device)
                 for _ in range(c.num_layers)]
 
@@ -543,8 +562,11 @@ class DecoderLM(nn.Module):
         positions = torch.cat([torch.arange(n, device=device) for n in layout.seq_lens])
         scale = self.config.head_dim ** -0.5
 
+        kv_spec = self.kv_spec(backend)
+
         def attend(i, q, k, v):
-            return ag.train_attention(backend, q, k, v, layout, scale, name=f"model.layers.{i}.self_attn.attn")
+            return ag.train_attention(backend, q, k, v, layout, scale, kv_spec=kv_spec,
+                                      name=f"model.layers.{i}.self_attn.attn")
 
         logits = self._core(self._op_set(backend, True), token_ids.to(device), positions, attend, logits_rows, trace)
         if torch.is_grad_enabled() and logits.requires_grad:

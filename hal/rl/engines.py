@@ -94,6 +94,10 @@ class VllmRolloutEngine:
     """vLLM (in this process) over ``run_dir/engine-model``, bound like the trainer's ``backend``."""
 
     def __init__(self, model: DecoderLM, recipe: Recipe, backend: Backend, run_dir: Path):
+        if model.config.kv_cache_dtype != "auto":
+            # the checkpoint vLLM loads does not carry it, and the vLLM route runs no FP8 KV cache yet
+            raise UnsupportedError(f"the vLLM rollout engine has no HAL route for kv_cache_dtype "
+                                   f"{model.config.kv_cache_dtype!r} yet; use engine: harness for an FP8 KV cache")
         if model.config.fp8 is not None and backend.contract is None:
             # stock vLLM would load the checkpoint with its own Fp8LinearMethod (its scales and kernels):
             # no baseline compares with it; a HAL-bound engine runs the contract's [fp8] (hal.vllm.quant)
