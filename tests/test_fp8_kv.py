@@ -145,6 +145,16 @@ def test_an_fp8_kv_cache_needs_a_contract_with_fp8_and_is_refused_by_the_vllm_en
         _fp8_kv_model(dense).allocate_kv_cache(2, 4)
     with pytest.raises(UnsupportedError, match="kv_cache_dtype must be one of auto, fp8"):
         tiny_config("qwen3", kv_cache_dtype="int8")
+    # the rollout's caches must be the model's kind
+    from hal.errors import HalError
+    from hal.model import DecoderLM, InferenceBatch
+
+    bf16_model = DecoderLM.random(tiny_config("qwen3", "bfloat16"), seed=1, backend=REF)
+    one_token = InferenceBatch(token_ids=torch.tensor([1]), positions=torch.tensor([0]), slot_mapping=torch.tensor([0]),
+                               meta=build_metadata([1], [1], [[0]]), logits_rows=torch.tensor([0]))
+    with pytest.raises(HalError, match="kv_cache_dtype is 'fp8' but the caches given are"):
+        _fp8_kv_model(REF).forward_infer(one_token, bf16_model.allocate_kv_cache(2, 4))
+    assert _fp8_kv_model(REF).forward_infer(one_token, _fp8_kv_model(REF).allocate_kv_cache(2, 4)).shape[0] == 1
     # the engine refuses before it reads the recipe or writes a checkpoint
     with pytest.raises(UnsupportedError, match="no HAL route for kv_cache_dtype 'fp8'"):
         VllmRolloutEngine(_fp8_kv_model(REF), None, REF, tmp_path)

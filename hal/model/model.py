@@ -535,6 +535,11 @@ class DecoderLM(nn.Module):
         logits (M, V) of ``batch.logits_rows``, all from backend kernels."""
         if len(kv_caches) != self.config.num_layers:
             raise HalError(f"forward_infer: {len(kv_caches)} KV caches for {self.config.num_layers} layers")
+        fp8_cache = self.config.kv_cache_dtype == "fp8"
+        if any(isinstance(c, Fp8KVCache) != fp8_cache for c in kv_caches):
+            raise HalError(f"forward_infer: kv_cache_dtype is {self.config.kv_cache_dtype!r} but the caches given are "
+                           f"{sorted({type(c).__name__ for c in kv_caches})}; training would read another cache than "
+                           f"the rollout: allocate them with model.allocate_kv_cache")
         backend = self.backend
         self._check_fp8(backend)
         scale = self.config.head_dim ** -0.5
