@@ -421,6 +421,32 @@ def test_a_flipped_byte_in_the_adam_state_is_refused_on_resume(tmp_path):
     assert (tmp_path / "out" / "metrics.jsonl").read_bytes() == metrics
 
 
+def test_a_checkpoint_from_before_the_device_digest_still_resumes_and_is_still_checked(tmp_path):
+    """Checkpoints written before hal.digest record the host sha256 of the weights and no checksum kind: they
+    resume (checked the old way), and one whose recorded checksum does not match its weights is refused."""
+    from hal.api import create_backend
+    from hal.rl.engines import host_weights_checksum
+    from hal.rl.grpo import build_model, load_checkpoint, save_checkpoint
+
+    recipe = _recipe(tmp_path, "steps=2")
+    run_recipe(recipe, echo=None)
+    path = tmp_path / "out" / "checkpoint.pt"
+    state = load_checkpoint(path)
+    assert state["weights_checksum_kind"] == "hal.digest-v1"
+    model = build_model(recipe, create_backend(recipe.backend, recipe.contract))
+    model.load_state_dict(state["model"])
+    old = {k: v for k, v in state.items() if k != "weights_checksum_kind"}
+    save_checkpoint(path, dict(old, weights_checksum=host_weights_checksum(model)))
+    resumed = run_recipe(_recipe(tmp_path, "steps=3", "resume=true"), echo=None)["runs"]["reference"]
+    assert [m["step"] for m in resumed] == [1, 2, 3] and resumed[2]["resumed"] and resumed[2]["mismatches"] == 0
+    # negative control: the old kind with a checksum of other weights
+    state = load_checkpoint(path)
+    save_checkpoint(path, dict({k: v for k, v in state.items() if k != "weights_checksum_kind"},
+                               weights_checksum=host_weights_checksum(torch.nn.Linear(2, 2))))
+    with pytest.raises(HalError, match="restored weights' checksum differs"):
+        run_recipe(_recipe(tmp_path, "steps=4", "resume=true"), echo=None)
+
+
 def test_a_partial_last_metrics_line_is_dropped_on_resume_with_a_warning(tmp_path, caplog):
     run_recipe(_recipe(tmp_path, "steps=2"), echo=None)         # checkpoint at step 2
     metrics = tmp_path / "out" / "metrics.jsonl"

@@ -29,6 +29,22 @@ from hal.rl.recipe import Recipe
 from hal.rollout import Completion, HarnessConfig, Request, RolloutHarness
 
 
+#: what ``weights_checksum`` computes, recorded in checkpoints beside its value (checkpoints written before
+#: hal.digest carry none: their checksum is ``host_weights_checksum``'s)
+WEIGHTS_CHECKSUM_KIND = "hal.digest-v1"
+
+
+def host_weights_checksum(model: torch.nn.Module) -> str:
+    """The checksum of checkpoints written before hal.digest: sha256 over every parameter's name, dtype, shape
+    and bytes, read on the host (seconds per GB); kept so that those checkpoints still resume."""
+    h = hashlib.sha256()
+    for name, p in model.named_parameters():
+        t = p.detach().to("cpu").contiguous()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
 def weights_checksum(model: torch.nn.Module) -> str:
     """sha256 over every parameter's name and ``hal.digest.tensor_digest`` (dtype, shape and a fingerprint
     of its bytes, read on the parameter's own device: ~ms per GB on a GPU, where a host sha256 of the

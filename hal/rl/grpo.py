@@ -53,7 +53,7 @@ from hal import api
 from hal.errors import ContractMismatchError, DivergedError, HalError, TrainingCheckpointError, WeightSyncError
 from hal.metrics import compare_logprobs
 from hal.model import DecoderLM, load_pretrained, tiny_config
-from hal.rl.engines import open_engine, weights_checksum
+from hal.rl.engines import WEIGHTS_CHECKSUM_KIND, host_weights_checksum, open_engine, weights_checksum
 from hal.rl.recipe import RESOLVED_RECIPE, Recipe, RecipeError, dump_recipe
 from hal.rl.report import MetricsLog
 from hal.rl.task import make_task
@@ -237,7 +237,8 @@ class GRPORun:
     def _save(self, model, optimizer, step: int, checksum: str) -> None:
         state = {"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                  "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
-                 "recipe": self.recipe.to_dict(), "weights_checksum": checksum, "binding": self.identity}
+                 "recipe": self.recipe.to_dict(), "weights_checksum": checksum,
+                 "weights_checksum_kind": WEIGHTS_CHECKSUM_KIND, "binding": self.identity}
         save_checkpoint(self.run_dir / CHECKPOINT, state)
 
     def _restore(self, model, optimizer) -> dict:
@@ -262,7 +263,9 @@ class GRPORun:
                               f"{step}; resume with steps >= {step} (nothing is rewritten)")
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-        if weights_checksum(model) != state["weights_checksum"]:
+        # a checkpoint from before hal.digest carries the host sha256 of the weights instead
+        checksum = weights_checksum if state.get("weights_checksum_kind") == WEIGHTS_CHECKSUM_KIND else host_weights_checksum
+        if checksum(model) != state["weights_checksum"]:
             raise WeightSyncError(f"resume: the restored weights' checksum differs from the one saved in "
                                   f"{path}; the checkpoint is corrupt")
         return state
