@@ -13,14 +13,13 @@
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import time
 
 import torch
 
 from hal import digest
-from hal.rl.engines import weights_checksum
+from hal.rl.engines import host_weights_checksum, weights_checksum
 
 CPU_LIMIT = 64 << 20      # bytes: larger tensors are compared on the GPU only (the host torch path is slow)
 
@@ -51,16 +50,6 @@ class Params(torch.nn.Module):
         self.p = torch.nn.ParameterList(
             [torch.nn.Parameter(torch.randn(s, device="cuda", generator=g).to(torch.bfloat16), requires_grad=False)
              for s in shapes])
-
-
-def host_sha256(model) -> str:
-    """What weights_checksum did before hal.digest: every parameter's bytes hashed on the host."""
-    h = hashlib.sha256()
-    for name, p in model.named_parameters():
-        t = p.detach().to("cpu").contiguous()
-        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 def timed(fn, repeats=5):
@@ -109,7 +98,7 @@ def main() -> int:
         model = Params(shapes, g)
         nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
         device_s = timed(lambda: weights_checksum(model), repeats=3)
-        host_s = timed(lambda: host_sha256(model), repeats=1) if label == "qwen3-1.7b" else None   # 8B: ~30 s
+        host_s = timed(lambda: host_weights_checksum(model), repeats=1) if label == "qwen3-1.7b" else None   # 8B: ~30 s
         sums.append(dict(model=label, bytes=nbytes, weights_checksum_s=device_s, host_sha256_s=host_s,
                          weights_checksum_gb_per_s=nbytes / device_s / 1e9))
         print(f"weights_checksum {label}: {nbytes / 1e9:.2f} GB in {device_s * 1e3:.1f} ms "
