@@ -21,7 +21,7 @@ import torch
 from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
-from hal.backend import AttentionMetadata
+from hal.backend import AttentionMetadata, mark_values_checked
 from hal.errors import UnsupportedError
 from hal.vllm import quant
 
@@ -82,15 +82,18 @@ class HalAttentionRoute:
 
 
 def _hal_metadata(attn_metadata) -> AttentionMetadata:
-    """The HAL's metadata for vLLM's metadata of this step, made once and kept on it: every layer of the
-    step then passes the same object, so the HAL's value checks (a host synchronisation on a GPU) run
-    once per step, not once per layer."""
+    """The HAL's metadata for vLLM's metadata of this step, made once and kept on it (every layer of the
+    step passes the same object). Its values are vLLM's scheduler's: every sequence's pages are in its
+    block-table row (vLLM's own attention kernels read them unchecked), so they are marked checked, and
+    the HAL's value check, a host synchronisation on an accelerator (on the CPU it still runs: reading is
+    free there), does not stall an eager prefill or mixed step."""
     meta = getattr(attn_metadata, "_hal_metadata", None)
     if meta is None:
         b = attn_metadata.seq_lens.shape[0]
         meta = AttentionMetadata(query_start_loc=attn_metadata.query_start_loc[:b + 1].to(torch.int32),
                                  seq_lens=attn_metadata.seq_lens.to(torch.int32),
                                  block_table=attn_metadata.block_table[:b].to(torch.int32))
+        mark_values_checked(meta)
         try:
             attn_metadata._hal_metadata = meta
         except AttributeError:        # a metadata class with __slots__: build it per layer instead

@@ -16,8 +16,10 @@ skipped while a graph is captured (``hal.backend._value_stamp``), and a captured
 with no Python at all (an eager attention call cost the host 0.1 ms standalone and 0.35-0.75 ms inside
 vLLM, 28 of them per step of the 1.7B-shaped model: bench/results/h200-2026-12-01-session4/). vLLM captures with every seq_len 1 and pads
 a replayed batch to the captured size; a padding request's row (no visible key) is computed and
-dropped, its slot is -1 (nothing written). The value checks then run only on eager (prefill and mixed)
-steps.
+dropped, its slot is -1 (nothing written). In eager (prefill and mixed) steps the HAL's value checks of
+vLLM's metadata and positions, which would synchronise there, are skipped too: vLLM's scheduler builds them
+valid (``hal.vllm.attention._hal_metadata``, ``hal.torch_ops.rotary``'s ``positions_in_range``), so no step
+synchronises on them.
 
 Imported only on CUDA platforms (``hal.vllm.attention.install``): it imports vLLM's Triton backend.
 """
