@@ -83,8 +83,8 @@ class HalRotaryEmbedding(_HalRouted, RotaryEmbedding):
                                                             self.base, device=torch.get_default_device()),
                                  persistent=False)
             # vLLM's positions stay below max_model_len (its own cos/sin cache has the same rows and no
-            # check): where that fits the table, the per-call range check (a host synchronisation under
-            # torch.compile, hal.torch_ops.rotary) is skipped; otherwise every call checks.
+            # check): where that fits the table, the backend's range check (a host synchronisation on an
+            # accelerator, once per new positions tensor: hal.torch_ops.rotary) is skipped; otherwise it runs.
             self.hal_positions_in_range = _engine_max_model_len() <= self.max_position_embeddings
 
     def _hal_forward(self, positions, query, key=None):
