@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (the `device` tool), from the repository root:
 #   bash bench/h200.sh STEP...     steps: equal tile kit-quick kit-full negative model prefill bench sweep profile digest
-#                                  vllm-part vllm grpo
+#                                  host family vllm-part vllm grpo
 #                                  (default: equal tile kit-quick negative model bench)
 # Installs this checkout (and the carried stevedore wheel in .whl/) into /tmp/site, then runs
 # from outside the checkout so that the installed package (with hal.backends.cuda) is imported.
@@ -20,6 +20,10 @@
 #   BENCH_ARGS     extra arguments of bench_cuda.py (e.g. --quick)
 #   SWEEP_ONLY     speed_sweep.py's steps for `sweep` (default attention), timed by CUDA-graph replay
 #   PROFILE_CASES  profile_kernels.py's cases for `profile` (default: all; needs ncu)
+#   HOST_ARGS      host_overhead.py's extra arguments for `host` (e.g. "--profile linear_m64")
+#   FAMILY_ARGS    family_sweep.py's arguments for `family` (default "--budget-s 300"); with the vLLM bundle
+#                  unpacked (a `vllm` or `grpo` step before it, or the parts carried) decode is also timed
+#                  against vLLM's FlashAttention-3
 set -uo pipefail
 steps=${*:-equal tile kit-quick negative model bench}
 repo=$(pwd)
@@ -102,6 +106,12 @@ for step in $steps; do
             > "$out/vllm_gpu_$tag.log" 2>&1 || status=1
           (cd "$work" && tar czf "$out/vllm_engine_logs_$tag.tgz" *.log $(ls *.profile.txt 2>/dev/null))
           tail -n 40 "$out/vllm_gpu_$tag.log" ;;
+    host) python3 "$repo/bench/host_overhead.py" ${HOST_ARGS:-} --json "$out/host_overhead.json" > "$out/host_overhead.log" 2>&1 || status=1
+          grep -vE '^ +[0-9]' "$out/host_overhead.log" | tail -n 30 ;;
+    family) [ -d /tmp/vllm-parts ] && { vllm_env || true; }
+            (cd "$repo/bench" && python3 family_sweep.py ${FAMILY_ARGS:---budget-s 300} --json "$out/family_sweep.json") \
+              > "$out/family_sweep.log" 2>&1 || status=1
+            tail -n 25 "$out/family_sweep.log" ;;
     digest) python3 "$repo/bench/digest_gpu.py" --json "$out/digest_gpu.json" > "$out/digest_gpu.log" 2>&1 || status=1
             tail -n 20 "$out/digest_gpu.log" ;;
     grpo) # the GPU recipe (recipes/grpo-h200.yaml) with GPU vLLM rollouts; GRPO_ARGS: recipe overrides

@@ -7,6 +7,10 @@ checks, allocation, Triton's launcher, the driver). The GPU's own time per call 
 printed beside it: where it exceeds the host time the loop measured the GPU, and the row says so. Stock
 torch ops of the same shapes are timed the same way, as the yardstick of what a launch costs here.
 
+Each op is timed twice: through Triton's own launch path (``kernel[grid]``, hal.kernels.launcher off) and
+through the launcher's fast path (a seen specialisation's compiled kernel called directly); the two
+outputs must be bitwise equal.
+
     python3 bench/host_overhead.py --backend cuda --json host.json [--calls 300] [--profile linear_m64]
 
 ``--profile OP``: a cProfile of that op's calls (the top functions by own time), to see where the host
@@ -28,6 +32,7 @@ import torch.nn.functional as F
 from family_sweep import graph_ms
 from hal.api import create_backend
 from hal.backend import AttentionMetadata
+from hal.kernels import launcher
 
 
 def host_us(fn, calls: int) -> float:
@@ -127,6 +132,17 @@ def cases(backend, device):
     return out
 
 
+def bits_equal(a, b) -> bool:
+    outs = (a, b) if isinstance(a, tuple) else ((a,), (b,))
+    for x, y in zip(*outs):
+        if x is None:
+            continue
+        if not torch.equal(x.view(torch.uint8) if x.dtype.is_floating_point else x,
+                           y.view(torch.uint8) if y.dtype.is_floating_point else y):
+            return False
+    return True
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backend", default="cuda")
@@ -137,9 +153,18 @@ def main() -> int:
     device = torch.device("cuda")
     backend = create_backend(args.backend, device=device)
     rows = []
-    print(f"{'op':22} {'hal host us':>12} {'device us':>10} {'torch host us':>14} {'graph':>6}  note", flush=True)
+    fast_default = launcher.ENABLED
+    print(f"{'op':22} {'triton path us':>14} {'hal host us':>12} {'device us':>10} {'torch host us':>14} "
+          f"{'graph':>6} {'same bits':>9}  note", flush=True)
     for name, ours, stock in cases(backend, device):
-        row = dict(op=name, host_us=host_us(ours, args.calls), device_us=device_us(ours))
+        launcher.ENABLED = False                       # Triton's own launch path: kernel[grid](...)
+        slow_out = ours()
+        row = dict(op=name, triton_path_host_us=host_us(ours, args.calls))
+        launcher.ENABLED = fast_default                # the fast path (unless HAL_FAST_LAUNCH=0)
+        row["host_us"] = host_us(ours, args.calls)
+        row["fast_launch"] = fast_default
+        row["same_bits_both_paths"] = bits_equal(slow_out, ours())
+        row["device_us"] = device_us(ours)
         row["capturable"], why = captured_bits_equal(ours)
         if why:
             row["capture_note"] = why
@@ -148,8 +173,9 @@ def main() -> int:
         row["host_bound"] = row["device_us"] is None or row["device_us"] < row["host_us"]
         rows.append(row)
         note = "" if row["host_bound"] else "device-bound: host time hidden"
-        print(f"{name:22} {row['host_us']:12.1f} {row['device_us'] or float('nan'):10.1f} "
-              f"{row.get('torch_host_us', float('nan')):14.1f} {'yes' if row['capturable'] else 'NO':>6}  "
+        print(f"{name:22} {row['triton_path_host_us']:14.1f} {row['host_us']:12.1f} "
+              f"{row['device_us'] or float('nan'):10.1f} {row.get('torch_host_us', float('nan')):14.1f} "
+              f"{'yes' if row['capturable'] else 'NO':>6} {'yes' if row['same_bits_both_paths'] else 'NO':>9}  "
               f"{note} {why}", flush=True)
         if name in args.profile:
             prof = cProfile.Profile()
@@ -165,12 +191,14 @@ def main() -> int:
     target = 10.0
     over = [r["op"] for r in rows if r["host_us"] > target]
     print(f"\nops over {target:.0f} us of host time per call: {', '.join(over) or 'none'}; "
-          f"not capturable: {', '.join(r['op'] for r in rows if not r['capturable']) or 'none'}", flush=True)
+          f"not capturable: {', '.join(r['op'] for r in rows if not r['capturable']) or 'none'}; "
+          f"other bits on the fast path: {', '.join(r['op'] for r in rows if not r['same_bits_both_paths']) or 'none'}",
+          flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, calls=args.calls,
-                           target_us=target, rows=rows), f, indent=1)
-    return 0
+                           target_us=target, launch_verify=launcher.VERIFY, rows=rows), f, indent=1)
+    return 0 if all(r["same_bits_both_paths"] and r["capturable"] for r in rows) else 1
 
 
 if __name__ == "__main__":

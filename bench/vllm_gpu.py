@@ -54,6 +54,10 @@ SHAPES = {  # random-weight models shaped like these (issue #19); tiny: a quick 
                  num_heads=16, num_kv_heads=8, head_dim=128, qk_norm=True, tie_word_embeddings=True),
     "8b": dict(architecture="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
                num_heads=32, num_kv_heads=8, head_dim=128, qk_norm=True),
+    # issue #21: Qwen3-30B-A3B's layers (128 experts, top-8, expert width 768), 3 of its 48
+    "30b-a3b-3l": dict(architecture="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                       num_layers=3, num_heads=32, num_kv_heads=4, head_dim=128, qk_norm=True, num_experts=128,
+                       num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True),
 }
 ENGINES = ("hal", "hal-eager", "hal-async", "stock", "batch-invariant")
 PROMPT_CHECK_REQUESTS = 16     # requests a HAL-bound engine serves again: with prompt logprobs, then from its prefix cache

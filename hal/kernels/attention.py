@@ -49,6 +49,7 @@ import triton.language as tl
 
 from hal.contract import Attention
 from hal.kernels.common import INTERPRET, LAUNCH, next_power_of_2, round_to_bf16, to_activation, zero_scalar
+from hal.kernels.launcher import launch
 from hal.kernels.policy import LaunchPolicy
 
 BLOCK_B = 128  # sequences scanned per step when a program looks for its sequence
@@ -607,15 +608,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         parts = torch.empty((2 + head_dim) * rows, device=q.device, dtype=torch.float32)  # one allocation
         part_m, part_l, part_a = parts.split([rows, rows, head_dim * rows])
         part_pos = torch.full((tokens,), -1, device=q.device, dtype=torch.int32)  # -1: no sequence owns the row
-        _attention_kernel[grid(triton.cdiv(max_splits, per_program))](
-            q, k_arg, v_arg, out, part_m, part_l, part_a, part_pos, query_start_loc, seq_lens, block_table,
-            num_seqs, num_tiles, *strides, q_heads, max_splits, scale_log2e, group, *scales, SPLIT_PARALLEL=True,
-            **meta)
-        _merge_kernel[(tokens, q_heads)](part_m, part_l, part_a, part_pos, out, out.stride(0), out.stride(1), q_heads,
-                                         max_splits, KV_SPLIT=split, HEAD_DIM=head_dim, IS_BF16=is_bf16,
-                                         EXP2=spec.exp == "exp2", **LAUNCH)
+        launch(_attention_kernel, grid(triton.cdiv(max_splits, per_program)),
+               q, k_arg, v_arg, out, part_m, part_l, part_a, part_pos, query_start_loc, seq_lens, block_table,
+               num_seqs, num_tiles, *strides, q_heads, max_splits, scale_log2e, group, *scales, SPLIT_PARALLEL=True,
+               **meta)
+        launch(_merge_kernel, (tokens, q_heads),
+               part_m, part_l, part_a, part_pos, out, out.stride(0), out.stride(1), q_heads, max_splits,
+               KV_SPLIT=split, HEAD_DIM=head_dim, IS_BF16=is_bf16, EXP2=spec.exp == "exp2", **LAUNCH)
     else:
-        _attention_kernel[grid(1)](
-            q, k_arg, v_arg, out, out, out, out, out, query_start_loc, seq_lens, block_table, num_seqs, num_tiles,
-            *strides, q_heads, 1, scale_log2e, group, *scales, SPLIT_PARALLEL=False, **meta)
+        launch(_attention_kernel, grid(1),
+               q, k_arg, v_arg, out, out, out, out, out, query_start_loc, seq_lens, block_table, num_seqs, num_tiles,
+               *strides, q_heads, 1, scale_log2e, group, *scales, SPLIT_PARALLEL=False, **meta)
     return out

@@ -14,6 +14,7 @@ import triton.language as tl
 
 from hal import digest as spec
 from hal.kernels.common import INTERPRET, LAUNCH
+from hal.kernels.launcher import launch
 
 BLOCK = 1024 if not INTERPRET else 64
 ITERS = 16 if not INTERPRET else 2       # words per program: BLOCK * ITERS
@@ -69,6 +70,6 @@ def lane_sums(w: torch.Tensor) -> torch.Tensor:
         return torch.zeros(4, dtype=torch.int64, device=w.device)
     programs = triton.cdiv(n, BLOCK * ITERS)
     partial = torch.empty((programs, 4), dtype=torch.int64, device=w.device)
-    _lane_sums_kernel[(programs,)](w, partial, n, SEED0=spec.SEEDS[0], SEED1=spec.SEEDS[1], BLOCK=BLOCK,
-                                   ITERS=ITERS, **LAUNCH)
+    launch(_lane_sums_kernel, (programs,),
+           w, partial, n, SEED0=spec.SEEDS[0], SEED1=spec.SEEDS[1], BLOCK=BLOCK, ITERS=ITERS, **LAUNCH)
     return partial.sum(0)       # < n * 2**16 each: exact in int64

@@ -34,6 +34,7 @@ import triton.language as tl
 from hal.contract import Fp8
 from hal.fp8 import FORMATS
 from hal.kernels.common import INTERPRET, LAUNCH, to_activation
+from hal.kernels.launcher import launch
 from hal.kernels.policy import LaunchPolicy
 
 # Mantissa bits and the smallest normal exponent of each format (its subnormal quantum is
@@ -132,9 +133,9 @@ def quantise(x: torch.Tensor, group: int, fmt: str, spec: Fp8) -> tuple[torch.Te
         return q, s
     mant, min_exp = _FORMAT_BITS[fmt]
     floor = float(torch.tensor(spec.amax_floor, dtype=torch.float32))   # fl32(floor), passed as an fp32 scalar
-    _quant_kernel[(m, k // group)](x, q, s, x.stride(0), q.stride(0), s.stride(0), floor, spec.fmax(fmt),
-                                   GROUP=group, MANT=mant, MIN_EXP=min_exp, OUT_E5M2=fmt == "e5m2", num_warps=1,
-                                   **LAUNCH)
+    launch(_quant_kernel, (m, k // group),
+           x, q, s, x.stride(0), q.stride(0), s.stride(0), floor, spec.fmax(fmt), GROUP=group, MANT=mant,
+           MIN_EXP=min_exp, OUT_E5M2=fmt == "e5m2", num_warps=1, **LAUNCH)
     return q, s
 
 
@@ -169,13 +170,13 @@ def gemm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale_inv:
     if config:
         cfg.update(config)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
-    _fp8_gemm_kernel[grid](xq, x_scale, wq, w_scale_inv, bias if bias is not None else out, out, m, n, k,
-                           xq.stride(0), xq.stride(1), x_scale.stride(0), x_scale.stride(1), wq.stride(0),
-                           wq.stride(1), w_scale_inv.stride(0), w_scale_inv.stride(1), out.stride(0), out.stride(1),
-                           GROUP=spec.activation_group, HAS_BIAS=bias is not None,
-                           OUT_BF16=out_dtype == torch.bfloat16, UPCAST=INTERPRET, BLOCK_M=cfg["BLOCK_M"],
-                           BLOCK_N=cfg["BLOCK_N"], GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"],
-                           num_stages=cfg["num_stages"], **LAUNCH)
+    launch(_fp8_gemm_kernel, grid,
+           xq, x_scale, wq, w_scale_inv, bias if bias is not None else out, out, m, n, k, xq.stride(0), xq.stride(1),
+           x_scale.stride(0), x_scale.stride(1), wq.stride(0), wq.stride(1), w_scale_inv.stride(0),
+           w_scale_inv.stride(1), out.stride(0), out.stride(1), GROUP=spec.activation_group,
+           HAS_BIAS=bias is not None, OUT_BF16=out_dtype == torch.bfloat16, UPCAST=INTERPRET, BLOCK_M=cfg["BLOCK_M"],
+           BLOCK_N=cfg["BLOCK_N"], GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+           **LAUNCH)
     return out
 
 

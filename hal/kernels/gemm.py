@@ -22,12 +22,15 @@ Launch choices that give the same bits, chosen per call for speed only:
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from hal.contract import Gemm
 from hal.kernels.common import INTERPRET, LAUNCH, to_activation
+from hal.kernels.launcher import launch
 from hal.kernels.policy import LaunchPolicy
 
 
@@ -223,13 +226,23 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out
     if k == 0:
         return out.copy_((bias.float() if bias is not None else torch.zeros(n, device=x.device)).expand(m, n))
     tma_ok = not INTERPRET and _tma_ok(x) and _tma_ok(weight)
-    cfg = _config(m, n, k, spec, tma_ok, policy.multiprocessors(x.device))
-    tiles = policy.gemm_tiles(m, n, k, spec, x.element_size(), out_dtype=out_dtype)
+    cfg = _planned(m, n, k, spec, tma_ok, policy, x.device, x.element_size(), out_dtype)
+    if config:
+        cfg = dict(cfg, **config)
+    return _launch(x, weight, bias, out, cfg, spec, tma_ok, keep_partials=False)
+
+
+@functools.lru_cache(maxsize=8192)
+def _planned(m: int, n: int, k: int, spec: Gemm, tma_ok: bool, policy: LaunchPolicy, device: torch.device,
+             in_bytes: int, out_dtype: torch.dtype) -> dict:
+    """``_config``'s tiles with the policy's (a tuning cache's) over them, computed once per shape: the
+    policy reads its cache once per process, so the answer never changes (and the bits never depend on
+    it). Callers must not change the returned dict."""
+    cfg = _config(m, n, k, spec, tma_ok, policy.multiprocessors(device))
+    tiles = policy.gemm_tiles(m, n, k, spec, in_bytes, out_dtype=out_dtype)
     if tiles:
         cfg.update(tiles)
-    if config:
-        cfg.update(config)
-    return _launch(x, weight, bias, out, cfg, spec, tma_ok, keep_partials=False)
+    return cfg
 
 
 def chunk_partials(x: torch.Tensor, weight: torch.Tensor, spec: Gemm, config: dict | None = None, *,
@@ -263,10 +276,9 @@ def combine(partials: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.
     if m == 0 or n == 0:
         return out
     block = 1024
-    _combine_kernel[(triton.cdiv(m * n, block),)](partials.contiguous(), bias if bias is not None else out, out, m,
-                                                   n, chunks, out.stride(0), out.stride(1),
-                                                   HAS_BIAS=bias is not None, OUT_BF16=out_dtype == torch.bfloat16,
-                                                   BLOCK=block, **LAUNCH)
+    launch(_combine_kernel, (triton.cdiv(m * n, block),),
+           partials.contiguous(), bias if bias is not None else out, out, m, n, chunks, out.stride(0), out.stride(1),
+           HAS_BIAS=bias is not None, OUT_BF16=out_dtype == torch.bfloat16, BLOCK=block, **LAUNCH)
     return out
 
 
@@ -300,13 +312,13 @@ def _launch(x, weight, bias, out, cfg: dict, spec: Gemm, tma_ok: bool, *, keep_p
     else:
         x_arg, w_arg = x, weight
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(chunks, per_program))
-    _gemm_kernel[grid](x_arg, w_arg, bias_arg, out_arg, partial, m, n, k, x.stride(0), x.stride(1), weight.stride(0),
-                       weight.stride(1), out_arg.stride(0), out_arg.stride(1), K_CHUNK=k_chunk, SPLIT=split,
-                       CHUNKS_PER_PROGRAM=per_program, HAS_BIAS=bias is not None,
-                       OUT_BF16=out_dtype == torch.bfloat16, FP32_INPUTS=x.dtype == torch.float32,
-                       UPCAST=INTERPRET and x.dtype != torch.float32, TMA=tma, BLOCK_M=cfg["BLOCK_M"],
-                       BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
-                       num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **LAUNCH)
+    launch(_gemm_kernel, grid,
+           x_arg, w_arg, bias_arg, out_arg, partial, m, n, k, x.stride(0), x.stride(1), weight.stride(0),
+           weight.stride(1), out_arg.stride(0), out_arg.stride(1), K_CHUNK=k_chunk, SPLIT=split,
+           CHUNKS_PER_PROGRAM=per_program, HAS_BIAS=bias is not None, OUT_BF16=out_dtype == torch.bfloat16,
+           FP32_INPUTS=x.dtype == torch.float32, UPCAST=INTERPRET and x.dtype != torch.float32, TMA=tma,
+           BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
+           num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **LAUNCH)
     if keep_partials:
         return partial
     if split:

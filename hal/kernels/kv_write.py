@@ -26,6 +26,7 @@ import triton.language as tl
 
 from hal.errors import UnsupportedError
 from hal.kernels.common import LAUNCH, next_power_of_2
+from hal.kernels.launcher import launch
 from hal.kernels.fp8_gemm import _FORMAT_BITS, round_to_fp8
 
 
@@ -82,10 +83,10 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     The caches may be strided views (vLLM keeps K and V side by side); head_dim must be contiguous."""
     slots, capacity = _checked_slots("write_kv", k, v, k_cache, v_cache, slot_mapping)
     tokens, heads, head_dim = k.shape
-    _write_kv_kernel[(tokens, heads)](
-        k, v, k_cache, v_cache, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
-        v_cache.stride(2), k_cache.shape[1], capacity, HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim), **LAUNCH)
+    launch(_write_kv_kernel, (tokens, heads),
+           k, v, k_cache, v_cache, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0),
+           k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+           k_cache.shape[1], capacity, HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim), **LAUNCH)
 
 
 # -- the FP8 KV cache ([fp8]: kv_format, kv_scale; hal/fp8.py has the rules in exact torch ops) --------
@@ -144,8 +145,8 @@ def write_kv_fp8(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
     scale_strides = k_scale.stride() if per_token else (0, 0, 0)
     mant, min_exp = _FORMAT_BITS[spec.kv_format]
     floor = float(torch.tensor(spec.amax_floor, dtype=torch.float32))   # fl32(floor)
-    _write_kv_fp8_kernel[(tokens, heads)](
-        k, v, k_cache, v_cache, k_scale, v_scale, slots, k.stride(0), k.stride(1), v.stride(0),
-        v.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *scale_strides, k_cache.shape[1],
-        capacity, floor, spec.fmax(spec.kv_format), HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim),
-        PER_TOKEN_HEAD=per_token, MANT=mant, MIN_EXP=min_exp, OUT_E5M2=spec.kv_format == "e5m2", **LAUNCH)
+    launch(_write_kv_fp8_kernel, (tokens, heads),
+           k, v, k_cache, v_cache, k_scale, v_scale, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+           k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *scale_strides, k_cache.shape[1], capacity,
+           floor, spec.fmax(spec.kv_format), HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim),
+           PER_TOKEN_HEAD=per_token, MANT=mant, MIN_EXP=min_exp, OUT_E5M2=spec.kv_format == "e5m2", **LAUNCH)

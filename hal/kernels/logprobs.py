@@ -21,6 +21,7 @@ import triton.language as tl
 
 from hal.contract import Logprobs
 from hal.kernels.common import LAUNCH, zero_scalar
+from hal.kernels.launcher import launch
 
 
 @triton.jit
@@ -114,9 +115,9 @@ def chunk_max(logits: torch.Tensor, temperature: float, spec: Logprobs, num_warp
     num_chunks = triton.cdiv(vocab, spec.vocab_chunk)
     cmax = torch.empty((rows, num_chunks), device=logits.device, dtype=torch.float32)
     if rows and num_chunks:
-        _chunk_max_kernel[(rows, num_chunks)](logits, cmax, vocab, logits.stride(0), num_chunks, temperature,
-                                              T_IS_ONE=temperature == 1.0, CHUNK=spec.vocab_chunk,
-                                              num_warps=num_warps, **LAUNCH)
+        launch(_chunk_max_kernel, (rows, num_chunks),
+               logits, cmax, vocab, logits.stride(0), num_chunks, temperature, T_IS_ONE=temperature == 1.0,
+               CHUNK=spec.vocab_chunk, num_warps=num_warps, **LAUNCH)
     return cmax
 
 
@@ -128,9 +129,9 @@ def chunk_sums(logits: torch.Tensor, row_max: torch.Tensor, temperature: float, 
     num_chunks = triton.cdiv(vocab, spec.vocab_chunk)
     sums = torch.empty((rows, num_chunks), device=logits.device, dtype=torch.float32)
     if rows and num_chunks:
-        _chunk_sums_kernel[(rows, num_chunks)](logits, row_max.contiguous(), sums, vocab, logits.stride(0),
-                                               num_chunks, temperature, T_IS_ONE=temperature == 1.0,
-                                               CHUNK=spec.vocab_chunk, num_warps=num_warps, **LAUNCH)
+        launch(_chunk_sums_kernel, (rows, num_chunks),
+               logits, row_max.contiguous(), sums, vocab, logits.stride(0), num_chunks, temperature,
+               T_IS_ONE=temperature == 1.0, CHUNK=spec.vocab_chunk, num_warps=num_warps, **LAUNCH)
     return sums
 
 
@@ -139,8 +140,9 @@ def combine(token_logits: torch.Tensor, row_max: torch.Tensor, sums: torch.Tenso
     rows = token_logits.shape[0]
     out = torch.empty(rows, device=token_logits.device, dtype=torch.float32)
     if rows:
-        _combine_kernel[(rows,)](token_logits.contiguous(), row_max.contiguous(), sums.contiguous(), out,
-                                 sums.shape[1], temperature, T_IS_ONE=temperature == 1.0, num_warps=1, **LAUNCH)
+        launch(_combine_kernel, (rows,),
+               token_logits.contiguous(), row_max.contiguous(), sums.contiguous(), out, sums.shape[1], temperature,
+               T_IS_ONE=temperature == 1.0, num_warps=1, **LAUNCH)
     return out
 
 
@@ -151,11 +153,12 @@ def _row_stats(logits: torch.Tensor, temperature: float, chunk: int, token_ids: 
     cmax = torch.empty((rows, num_chunks), device=logits.device, dtype=torch.float32)
     stats = torch.empty((rows, 2), device=logits.device, dtype=torch.float32)
     common = dict(T_IS_ONE=temperature == 1.0, CHUNK=chunk, num_warps=num_warps, **LAUNCH)
-    _chunk_max_kernel[(rows, num_chunks)](logits, cmax, vocab, logits.stride(0), num_chunks, temperature, **common)
+    launch(_chunk_max_kernel, (rows, num_chunks),
+           logits, cmax, vocab, logits.stride(0), num_chunks, temperature, **common)
     token = token_ids is not None
-    _row_stats_kernel[(rows,)](logits, cmax, stats, token_ids if token else stats, out if token else stats, vocab,
-                               logits.stride(0), num_chunks, temperature, TOKEN=token,
-                               BLOCK_C=triton.next_power_of_2(num_chunks), **common)
+    launch(_row_stats_kernel, (rows,),
+           logits, cmax, stats, token_ids if token else stats, out if token else stats, vocab, logits.stride(0),
+           num_chunks, temperature, TOKEN=token, BLOCK_C=triton.next_power_of_2(num_chunks), **common)
     return stats
 
 
@@ -167,9 +170,9 @@ def log_softmax(logits: torch.Tensor, temperature: float, spec: Logprobs, num_wa
         return out
     stats = _row_stats(logits, temperature, spec.vocab_chunk, num_warps=num_warps)
     block = 4096
-    _log_softmax_out_kernel[(rows, triton.cdiv(vocab, block))](logits, stats, out, vocab, logits.stride(0),
-                                                              out.stride(0), temperature,
-                                                              T_IS_ONE=temperature == 1.0, BLOCK=block, **LAUNCH)
+    launch(_log_softmax_out_kernel, (rows, triton.cdiv(vocab, block)),
+           logits, stats, out, vocab, logits.stride(0), out.stride(0), temperature, T_IS_ONE=temperature == 1.0,
+           BLOCK=block, **LAUNCH)
     return out
 
 

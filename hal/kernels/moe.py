@@ -33,6 +33,7 @@ import triton.language as tl
 from hal.contract import Gemm, Reduce
 from hal.errors import UnsupportedError
 from hal.kernels.common import INTERPRET, LAUNCH, next_power_of_2, to_activation
+from hal.kernels.launcher import launch
 from hal.kernels.gemm import _tma_ok
 
 
@@ -110,13 +111,12 @@ def route(router_logits: torch.Tensor, routing, correction_bias: torch.Tensor | 
     ids = torch.empty(t, routing.top_k, dtype=torch.int32, device=logits.device)
     bias = correction_bias.float().contiguous() if correction_bias is not None else logits
     if t:
-        _route_kernel[(t,)](
-            logits, bias, weights, ids, num_experts, logits.stride(0), float(routing.scaling),
-            SOFTMAX=routing.scoring == "softmax", HAS_BIAS=correction_bias is not None,
-            RENORMALIZE=routing.renormalize, SCALE=routing.scaling != 1.0, TOP_K=routing.top_k,
-            K_PAD=next_power_of_2(routing.top_k), GROUPS=routing.num_groups, TOPK_GROUPS=routing.topk_groups,
-            GROUP_SIZE=num_experts // routing.num_groups, G_PAD=next_power_of_2(routing.num_groups),
-            E_PAD=next_power_of_2(num_experts), num_warps=4, **LAUNCH)
+        launch(_route_kernel, (t,), logits, bias, weights, ids, num_experts, logits.stride(0), float(routing.scaling),
+               SOFTMAX=routing.scoring == "softmax", HAS_BIAS=correction_bias is not None,
+               RENORMALIZE=routing.renormalize, SCALE=routing.scaling != 1.0, TOP_K=routing.top_k,
+               K_PAD=next_power_of_2(routing.top_k), GROUPS=routing.num_groups, TOPK_GROUPS=routing.topk_groups,
+               GROUP_SIZE=num_experts // routing.num_groups, G_PAD=next_power_of_2(routing.num_groups),
+               E_PAD=next_power_of_2(num_experts), num_warps=4, **LAUNCH)
     return weights, ids
 
 
@@ -271,12 +271,12 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor, so
         if x_tma:
             x_arg = TensorDescriptor.from_tensor(x, [sorted_slots.block_m, cfg["BLOCK_K"]])
     grid = (p // sorted_slots.block_m, triton.cdiv(n, cfg["BLOCK_N"]))
-    _grouped_gemm_kernel[grid](
-        x_arg, w_arg, rows, sorted_slots.tile_expert, out, grid[0], n, k, x.stride(0), weight.stride(0),
-        weight.stride(1), out.stride(0), K_CHUNK=spec.k_chunk, OUT_BF16=out_dtype == torch.bfloat16,
-        FP32_INPUTS=x.dtype == torch.float32, UPCAST=INTERPRET and x.dtype != torch.float32,
-        W_TMA=w_tma, X_TMA=x_tma, BLOCK_M=sorted_slots.block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **LAUNCH)
+    launch(_grouped_gemm_kernel, grid,
+           x_arg, w_arg, rows, sorted_slots.tile_expert, out, grid[0], n, k, x.stride(0), weight.stride(0),
+           weight.stride(1), out.stride(0), K_CHUNK=spec.k_chunk, OUT_BF16=out_dtype == torch.bfloat16,
+           FP32_INPUTS=x.dtype == torch.float32, UPCAST=INTERPRET and x.dtype != torch.float32, W_TMA=w_tma,
+           X_TMA=x_tma, BLOCK_M=sorted_slots.block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+           num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **LAUNCH)
     return out
 
 
@@ -312,10 +312,10 @@ def combine(down: torch.Tensor, position: torch.Tensor, weights: torch.Tensor, s
         return out
     block = min(1024, next_power_of_2(h))
     shared_arg = shared.contiguous() if shared is not None else out
-    _combine_kernel[(t, triton.cdiv(h, block))](
-        down, position.contiguous(), weights.contiguous(), shared_arg, out, h, down.stride(0), shared_arg.stride(0),
-        out.stride(0), TOP_K=k, HAS_SHARED=shared is not None, OUT_BF16=dtype == torch.bfloat16, BLOCK_H=block,
-        num_warps=4, **LAUNCH)
+    launch(_combine_kernel, (t, triton.cdiv(h, block)),
+           down, position.contiguous(), weights.contiguous(), shared_arg, out, h, down.stride(0),
+           shared_arg.stride(0), out.stride(0), TOP_K=k, HAS_SHARED=shared is not None,
+           OUT_BF16=dtype == torch.bfloat16, BLOCK_H=block, num_warps=4, **LAUNCH)
     return out
 
 

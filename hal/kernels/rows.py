@@ -19,6 +19,7 @@ import triton.language as tl
 
 from hal.contract import Reduce, RmsNorm
 from hal.kernels.common import LAUNCH, next_power_of_2, round_to_bf16, to_activation, zero_scalar
+from hal.kernels.launcher import launch
 
 
 @triton.jit
@@ -121,11 +122,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     block = min(spec.row_block, next_power_of_2(n))
     if x2.shape[0]:
         kernel = _rms_norm_kernel_width_1 if n == 1 else _rms_norm_kernel
-        kernel[(x2.shape[0],)](x2, res2, weight, out, res_out, n, x2.stride(0), res2.stride(0), out.stride(0),
-                               res_out.stride(0), _fp32(eps),
-                               HAS_RESIDUAL=residual is not None, IS_BF16=x.dtype == torch.bfloat16, BLOCK=block,
-                               MEAN_RECIPROCAL=spec.inv_rms == "mul_reciprocal_div_rn_sqrt_rn", ONE_BLOCK=n <= block,
-                               num_warps=num_warps or (8 if block >= 2048 else 4), **LAUNCH)
+        launch(kernel, (x2.shape[0],),
+               x2, res2, weight, out, res_out, n, x2.stride(0), res2.stride(0), out.stride(0), res_out.stride(0),
+               _fp32(eps), HAS_RESIDUAL=residual is not None, IS_BF16=x.dtype == torch.bfloat16, BLOCK=block,
+               MEAN_RECIPROCAL=spec.inv_rms == "mul_reciprocal_div_rn_sqrt_rn", ONE_BLOCK=n <= block,
+               num_warps=num_warps or (8 if block >= 2048 else 4), **LAUNCH)
     return out.view(x.shape), (res_out.view(x.shape) if residual is not None else None)
 
 
@@ -176,11 +177,11 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: t
         raise ValueError(f"rms_norm_rows: rows_per_program must be a power of two, got {rows_per_program}")
     x2, res2, out, res_out = _norm_buffers(x, residual)
     if x2.shape[0]:
-        _rms_norm_rows_kernel[(triton.cdiv(x2.shape[0], rows_per_program),)](
-            x2, res2, weight, out, res_out, x2.shape[0], n, x2.stride(0), res2.stride(0), out.stride(0),
-            res_out.stride(0), _fp32(eps), HAS_RESIDUAL=residual is not None, IS_BF16=x.dtype == torch.bfloat16,
-            BLOCK=block, LEVELS=block.bit_length() - 1, ROWS=rows_per_program,
-            MEAN_RECIPROCAL=spec.inv_rms == "mul_reciprocal_div_rn_sqrt_rn", num_warps=num_warps, **LAUNCH)
+        launch(_rms_norm_rows_kernel, (triton.cdiv(x2.shape[0], rows_per_program),),
+               x2, res2, weight, out, res_out, x2.shape[0], n, x2.stride(0), res2.stride(0), out.stride(0),
+               res_out.stride(0), _fp32(eps), HAS_RESIDUAL=residual is not None, IS_BF16=x.dtype == torch.bfloat16,
+               BLOCK=block, LEVELS=block.bit_length() - 1, ROWS=rows_per_program,
+               MEAN_RECIPROCAL=spec.inv_rms == "mul_reciprocal_div_rn_sqrt_rn", num_warps=num_warps, **LAUNCH)
     return out.view(x.shape), (res_out.view(x.shape) if residual is not None else None)
 
 
@@ -216,8 +217,9 @@ def reduce_last(x: torch.Tensor, mean: bool, spec: Reduce, num_warps: int = 4) -
     x2 = x.reshape(-1, n)
     out = torch.empty(x2.shape[0], device=x.device, dtype=torch.float32)
     if x2.shape[0]:
-        _reduce_kernel[(x2.shape[0],)](x2, out, n, x2.stride(0), MEAN=mean,
-                                       BLOCK=min(spec.row_block, next_power_of_2(n)), num_warps=num_warps, **LAUNCH)
+        launch(_reduce_kernel, (x2.shape[0],),
+               x2, out, n, x2.stride(0), MEAN=mean, BLOCK=min(spec.row_block, next_power_of_2(n)),
+               num_warps=num_warps, **LAUNCH)
     return out.view(x.shape[:-1])
 
 
@@ -239,9 +241,9 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((x2.shape[0], inter), device=gate_up.device, dtype=gate_up.dtype)
     block = min(1024, next_power_of_2(inter))
     if x2.shape[0]:
-        _silu_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](x2, out, inter, x2.stride(0), out.stride(0),
-                                                                  IS_BF16=gate_up.dtype == torch.bfloat16,
-                                                                  BLOCK=block, **LAUNCH)
+        launch(_silu_mul_kernel, (x2.shape[0], triton.cdiv(inter, block)),
+               x2, out, inter, x2.stride(0), out.stride(0), IS_BF16=gate_up.dtype == torch.bfloat16, BLOCK=block,
+               **LAUNCH)
     return out.view(*gate_up.shape[:-1], inter)
 
 
@@ -301,12 +303,12 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     # program per token and head, as before, was 4-5x slower than the bytes allow at 8192 tokens).
     block_h = min(16, next_power_of_2(max(q_heads, k_heads)))
     if tokens:
-        _rotary_kernel[(tokens, triton.cdiv(max(q_heads, k_heads), block_h))](
-            q, k, q_out, k_out, positions, table, q_heads, k_heads, head_dim, q.stride(0), q.stride(1), k.stride(0),
-            k.stride(1), q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), table.stride(0),
-            HALF=half, BLOCK_H=block_h, BLOCK_HALF=next_power_of_2(half),
-            BLOCK_D=next_power_of_2(head_dim - 2 * half) if head_dim > 2 * half else 0,
-            IS_BF16=q.dtype == torch.bfloat16, **LAUNCH)
+        launch(_rotary_kernel, (tokens, triton.cdiv(max(q_heads, k_heads), block_h)),
+               q, k, q_out, k_out, positions, table, q_heads, k_heads, head_dim, q.stride(0), q.stride(1),
+               k.stride(0), k.stride(1), q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
+               table.stride(0), HALF=half, BLOCK_H=block_h, BLOCK_HALF=next_power_of_2(half),
+               BLOCK_D=next_power_of_2(head_dim - 2 * half) if head_dim > 2 * half else 0,
+               IS_BF16=q.dtype == torch.bfloat16, **LAUNCH)
     return q_out, k_out
 
 

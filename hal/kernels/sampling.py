@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from hal.kernels.common import LAUNCH
+from hal.kernels.launcher import launch
 
 BLOCK = 2048
 
@@ -80,6 +81,7 @@ def sample(logits: torch.Tensor, keys: torch.Tensor, temperatures: torch.Tensor)
         return out
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    _sample_kernel[(rows,)](logits, keys.to(torch.int64).contiguous(), temperatures.to(torch.float64).contiguous(),
-                            out, vocab, logits.stride(0), _GAMMA, _MUL1, _MUL2, BLOCK=BLOCK, **LAUNCH)
+    launch(_sample_kernel, (rows,),
+           logits, keys.to(torch.int64).contiguous(), temperatures.to(torch.float64).contiguous(), out, vocab,
+           logits.stride(0), _GAMMA, _MUL1, _MUL2, BLOCK=BLOCK, **LAUNCH)
     return out
