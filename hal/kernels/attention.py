@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 
 from hal.contract import Attention
-from hal.kernels.common import INTERPRET, LAUNCH, next_power_of_2, round_to_bf16, to_activation, zero_scalar
+from hal.kernels.common import INTERPRET, LAUNCH, cdiv, next_power_of_2, round_to_bf16, to_activation, zero_scalar
 from hal.kernels.launcher import launch
 from hal.kernels.policy import LaunchPolicy
 
@@ -493,7 +493,7 @@ def _token_rows_descriptor(cache: torch.Tensor, kv_chunk: int):
 
     rows = cache.stride(1)
     span = 1 + sum((size - 1) * stride for size, stride in zip(cache.shape, cache.stride()))
-    return TensorDescriptor(cache, [triton.cdiv(span, rows), rows], [rows, 1], [kv_chunk, cache.shape[3]])
+    return TensorDescriptor(cache, [cdiv(span, rows), rows], [rows, 1], [kv_chunk, cache.shape[3]])
 
 
 def _decode_programs(programs: int, sms: int) -> tuple[int, int]:
@@ -608,7 +608,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         parts = torch.empty((2 + head_dim) * rows, device=q.device, dtype=torch.float32)  # one allocation
         part_m, part_l, part_a = parts.split([rows, rows, head_dim * rows])
         part_pos = torch.full((tokens,), -1, device=q.device, dtype=torch.int32)  # -1: no sequence owns the row
-        launch(_attention_kernel, grid(triton.cdiv(max_splits, per_program)),
+        launch(_attention_kernel, grid(cdiv(max_splits, per_program)),
                q, k_arg, v_arg, out, part_m, part_l, part_a, part_pos, query_start_loc, seq_lens, block_table,
                num_seqs, num_tiles, *strides, q_heads, max_splits, scale_log2e, group, *scales, SPLIT_PARALLEL=True,
                **meta)

@@ -48,5 +48,15 @@ def zero_scalar():
     return tl.sum(tl.zeros((1,), dtype=tl.float32), axis=0)
 
 
+# Host-side integer helpers in plain Python. Triton's own ``triton.cdiv`` / ``triton.next_power_of_2`` are
+# constexpr functions (3.9: each call unwraps its arguments through Triton's constexpr machinery, ~3-7 us
+# on a slow host), and a GEMM launch computes several: they were a visible share of the host cost per op.
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for ints, b > 0."""
+    return -(-a // b)
+
+
 def next_power_of_2(n: int) -> int:
-    return triton.next_power_of_2(max(1, int(n)))
+    """The smallest power of two >= n (1 for n <= 1)."""
+    n = int(n)
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()

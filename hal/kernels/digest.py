@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from hal import digest as spec
-from hal.kernels.common import INTERPRET, LAUNCH
+from hal.kernels.common import INTERPRET, LAUNCH, cdiv
 from hal.kernels.launcher import launch
 
 BLOCK = 1024 if not INTERPRET else 64
@@ -68,7 +68,7 @@ def lane_sums(w: torch.Tensor) -> torch.Tensor:
     n = w.numel()
     if n == 0:
         return torch.zeros(4, dtype=torch.int64, device=w.device)
-    programs = triton.cdiv(n, BLOCK * ITERS)
+    programs = cdiv(n, BLOCK * ITERS)
     partial = torch.empty((programs, 4), dtype=torch.int64, device=w.device)
     launch(_lane_sums_kernel, (programs,),
            w, partial, n, SEED0=spec.SEEDS[0], SEED1=spec.SEEDS[1], BLOCK=BLOCK, ITERS=ITERS, **LAUNCH)

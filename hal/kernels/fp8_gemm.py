@@ -33,7 +33,7 @@ import triton.language as tl
 
 from hal.contract import Fp8
 from hal.fp8 import FORMATS
-from hal.kernels.common import INTERPRET, LAUNCH, to_activation
+from hal.kernels.common import INTERPRET, LAUNCH, cdiv, to_activation
 from hal.kernels.launcher import launch
 from hal.kernels.policy import LaunchPolicy
 
@@ -169,7 +169,7 @@ def gemm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale_inv:
     cfg = _config(m, n)
     if config:
         cfg.update(config)
-    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
+    grid = (cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"]),)
     launch(_fp8_gemm_kernel, grid,
            xq, x_scale, wq, w_scale_inv, bias if bias is not None else out, out, m, n, k, xq.stride(0), xq.stride(1),
            x_scale.stride(0), x_scale.stride(1), wq.stride(0), wq.stride(1), w_scale_inv.stride(0),

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from hal.contract import Gemm
-from hal.kernels.common import INTERPRET, LAUNCH, to_activation
+from hal.kernels.common import INTERPRET, LAUNCH, cdiv, next_power_of_2, to_activation
 from hal.kernels.launcher import launch
 from hal.kernels.policy import LaunchPolicy
 
@@ -124,7 +124,7 @@ def _config(m: int, n: int, k: int, spec: Gemm, tma: bool, sms: int) -> dict:
         return dict(base, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, split=chunks > 1 and m <= 16, num_warps=4,
                     num_stages=1)
     wide = n > 16384  # lm_head: enough N tiles to fill the GPU at any M
-    one_wave_of_32 = triton.cdiv(n, 32) <= 2 * sms
+    one_wave_of_32 = cdiv(n, 32) <= 2 * sms
     if m <= 16:
         # Weight-read bound: thin N tiles (enough programs for every multiprocessor), a deep K pipeline.
         if one_wave_of_32:
@@ -148,7 +148,7 @@ def _config(m: int, n: int, k: int, spec: Gemm, tma: bool, sms: int) -> dict:
         return dict(base, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4)
 
     def tiles(bm, bn):
-        return triton.cdiv(m, bm) * triton.cdiv(n, bn)
+        return cdiv(m, bm) * cdiv(n, bn)
     # Descriptor loads, above 64 rows: the largest tile whose programs fill (nine tenths of) one wave on
     # the multiprocessors. A tile that leaves them idle costs more than its MMA efficiency gains: 128 x 256
     # tiles for M = 1024, N = 2048 (64 programs on 132) ran 69-79 us where 128 x 128 / 64 x 128 tiles ran
@@ -194,7 +194,7 @@ def candidates(m: int, n: int, k: int, spec: Gemm, tma_ok: bool, tiles=None) -> 
     chunks = spec.chunk_count(k)
     out = []
     for bm, bn, bk, warps, stages in (_TILES if tiles is None else tiles):
-        if spec.k_chunk % bk or bm > max(16, triton.next_power_of_2(m)) * 2:
+        if spec.k_chunk % bk or bm > max(16, next_power_of_2(m)) * 2:
             continue
         if (bm + bn) * bk * 2 * stages > SHARED_BYTES:
             continue
@@ -276,7 +276,7 @@ def combine(partials: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.
     if m == 0 or n == 0:
         return out
     block = 1024
-    launch(_combine_kernel, (triton.cdiv(m * n, block),),
+    launch(_combine_kernel, (cdiv(m * n, block),),
            partials.contiguous(), bias if bias is not None else out, out, m, n, chunks, out.stride(0), out.stride(1),
            HAS_BIAS=bias is not None, OUT_BF16=out_dtype == torch.bfloat16, BLOCK=block, **LAUNCH)
     return out
@@ -311,7 +311,7 @@ def _launch(x, weight, bias, out, cfg: dict, spec: Gemm, tma_ok: bool, *, keep_p
         w_arg = TensorDescriptor.from_tensor(weight, [cfg["BLOCK_N"], cfg["BLOCK_K"]])
     else:
         x_arg, w_arg = x, weight
-    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(chunks, per_program))
+    grid = (cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"]), cdiv(chunks, per_program))
     launch(_gemm_kernel, grid,
            x_arg, w_arg, bias_arg, out_arg, partial, m, n, k, x.stride(0), x.stride(1), weight.stride(0),
            weight.stride(1), out_arg.stride(0), out_arg.stride(1), K_CHUNK=k_chunk, SPLIT=split,

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from hal.contract import Logprobs
-from hal.kernels.common import LAUNCH, zero_scalar
+from hal.kernels.common import LAUNCH, cdiv, next_power_of_2, zero_scalar
 from hal.kernels.launcher import launch
 
 
@@ -112,7 +112,7 @@ def _combine_kernel(token_logit_ptr, row_max_ptr, sums_ptr, out_ptr, num_chunks,
 def chunk_max(logits: torch.Tensor, temperature: float, spec: Logprobs, num_warps: int = 8) -> torch.Tensor:
     """(M, C) fp32: each vocab chunk's max of logits / temperature (the first launch of ``_row_stats``)."""
     rows, vocab = logits.shape
-    num_chunks = triton.cdiv(vocab, spec.vocab_chunk)
+    num_chunks = cdiv(vocab, spec.vocab_chunk)
     cmax = torch.empty((rows, num_chunks), device=logits.device, dtype=torch.float32)
     if rows and num_chunks:
         launch(_chunk_max_kernel, (rows, num_chunks),
@@ -126,7 +126,7 @@ def chunk_sums(logits: torch.Tensor, row_max: torch.Tensor, temperature: float, 
     """(M, C) fp32: each vocab chunk's sum of exp(fl32(x - row_max)), x = logits / temperature; the
     num_warps of ``_row_stats`` (the 1-D ``tl.sum`` tree depends on it)."""
     rows, vocab = logits.shape
-    num_chunks = triton.cdiv(vocab, spec.vocab_chunk)
+    num_chunks = cdiv(vocab, spec.vocab_chunk)
     sums = torch.empty((rows, num_chunks), device=logits.device, dtype=torch.float32)
     if rows and num_chunks:
         launch(_chunk_sums_kernel, (rows, num_chunks),
@@ -149,7 +149,7 @@ def combine(token_logits: torch.Tensor, row_max: torch.Tensor, sums: torch.Tenso
 def _row_stats(logits: torch.Tensor, temperature: float, chunk: int, token_ids: torch.Tensor | None = None,
                out: torch.Tensor | None = None, num_warps: int = 8) -> torch.Tensor:
     rows, vocab = logits.shape
-    num_chunks = triton.cdiv(vocab, chunk)
+    num_chunks = cdiv(vocab, chunk)
     cmax = torch.empty((rows, num_chunks), device=logits.device, dtype=torch.float32)
     stats = torch.empty((rows, 2), device=logits.device, dtype=torch.float32)
     common = dict(T_IS_ONE=temperature == 1.0, CHUNK=chunk, num_warps=num_warps, **LAUNCH)
@@ -158,7 +158,7 @@ def _row_stats(logits: torch.Tensor, temperature: float, chunk: int, token_ids: 
     token = token_ids is not None
     launch(_row_stats_kernel, (rows,),
            logits, cmax, stats, token_ids if token else stats, out if token else stats, vocab, logits.stride(0),
-           num_chunks, temperature, TOKEN=token, BLOCK_C=triton.next_power_of_2(num_chunks), **common)
+           num_chunks, temperature, TOKEN=token, BLOCK_C=next_power_of_2(num_chunks), **common)
     return stats
 
 
@@ -170,7 +170,7 @@ def log_softmax(logits: torch.Tensor, temperature: float, spec: Logprobs, num_wa
         return out
     stats = _row_stats(logits, temperature, spec.vocab_chunk, num_warps=num_warps)
     block = 4096
-    launch(_log_softmax_out_kernel, (rows, triton.cdiv(vocab, block)),
+    launch(_log_softmax_out_kernel, (rows, cdiv(vocab, block)),
            logits, stats, out, vocab, logits.stride(0), out.stride(0), temperature, T_IS_ONE=temperature == 1.0,
            BLOCK=block, **LAUNCH)
     return out

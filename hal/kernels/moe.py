@@ -32,7 +32,7 @@ import triton.language as tl
 
 from hal.contract import Gemm, Reduce
 from hal.errors import UnsupportedError
-from hal.kernels.common import INTERPRET, LAUNCH, next_power_of_2, to_activation
+from hal.kernels.common import INTERPRET, LAUNCH, cdiv, next_power_of_2, to_activation
 from hal.kernels.launcher import launch
 from hal.kernels.gemm import _tma_ok
 
@@ -270,7 +270,7 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor, so
         w_arg = TensorDescriptor.from_tensor(weight.view(e * n, k), [cfg["BLOCK_N"], cfg["BLOCK_K"]])
         if x_tma:
             x_arg = TensorDescriptor.from_tensor(x, [sorted_slots.block_m, cfg["BLOCK_K"]])
-    grid = (p // sorted_slots.block_m, triton.cdiv(n, cfg["BLOCK_N"]))
+    grid = (p // sorted_slots.block_m, cdiv(n, cfg["BLOCK_N"]))
     launch(_grouped_gemm_kernel, grid,
            x_arg, w_arg, rows, sorted_slots.tile_expert, out, grid[0], n, k, x.stride(0), weight.stride(0),
            weight.stride(1), out.stride(0), K_CHUNK=spec.k_chunk, OUT_BF16=out_dtype == torch.bfloat16,
@@ -312,7 +312,7 @@ def combine(down: torch.Tensor, position: torch.Tensor, weights: torch.Tensor, s
         return out
     block = min(1024, next_power_of_2(h))
     shared_arg = shared.contiguous() if shared is not None else out
-    launch(_combine_kernel, (t, triton.cdiv(h, block)),
+    launch(_combine_kernel, (t, cdiv(h, block)),
            down, position.contiguous(), weights.contiguous(), shared_arg, out, h, down.stride(0),
            shared_arg.stride(0), out.stride(0), TOP_K=k, HAS_SHARED=shared is not None,
            OUT_BF16=dtype == torch.bfloat16, BLOCK_H=block, num_warps=4, **LAUNCH)

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from hal.contract import Reduce, RmsNorm
-from hal.kernels.common import LAUNCH, next_power_of_2, round_to_bf16, to_activation, zero_scalar
+from hal.kernels.common import LAUNCH, cdiv, next_power_of_2, round_to_bf16, to_activation, zero_scalar
 from hal.kernels.launcher import launch
 
 
@@ -177,7 +177,7 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: t
         raise ValueError(f"rms_norm_rows: rows_per_program must be a power of two, got {rows_per_program}")
     x2, res2, out, res_out = _norm_buffers(x, residual)
     if x2.shape[0]:
-        launch(_rms_norm_rows_kernel, (triton.cdiv(x2.shape[0], rows_per_program),),
+        launch(_rms_norm_rows_kernel, (cdiv(x2.shape[0], rows_per_program),),
                x2, res2, weight, out, res_out, x2.shape[0], n, x2.stride(0), res2.stride(0), out.stride(0),
                res_out.stride(0), _fp32(eps), HAS_RESIDUAL=residual is not None, IS_BF16=x.dtype == torch.bfloat16,
                BLOCK=block, LEVELS=block.bit_length() - 1, ROWS=rows_per_program,
@@ -241,7 +241,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((x2.shape[0], inter), device=gate_up.device, dtype=gate_up.dtype)
     block = min(1024, next_power_of_2(inter))
     if x2.shape[0]:
-        launch(_silu_mul_kernel, (x2.shape[0], triton.cdiv(inter, block)),
+        launch(_silu_mul_kernel, (x2.shape[0], cdiv(inter, block)),
                x2, out, inter, x2.stride(0), out.stride(0), IS_BF16=gate_up.dtype == torch.bfloat16, BLOCK=block,
                **LAUNCH)
     return out.view(*gate_up.shape[:-1], inter)
@@ -303,7 +303,7 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     # program per token and head, as before, was 4-5x slower than the bytes allow at 8192 tokens).
     block_h = min(16, next_power_of_2(max(q_heads, k_heads)))
     if tokens:
-        launch(_rotary_kernel, (tokens, triton.cdiv(max(q_heads, k_heads), block_h)),
+        launch(_rotary_kernel, (tokens, cdiv(max(q_heads, k_heads), block_h)),
                q, k, q_out, k_out, positions, table, q_heads, k_heads, head_dim, q.stride(0), q.stride(1),
                k.stride(0), k.stride(1), q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
                table.stride(0), HALF=half, BLOCK_H=block_h, BLOCK_HALF=next_power_of_2(half),
