@@ -411,18 +411,21 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part
 
 
 @triton.jit(do_not_specialize=["max_splits"])   # per call outside vLLM (the block table's width)
-def _merge_kernel(part_m_ptr, part_l_ptr, part_a_ptr, part_pos_ptr, out_ptr, stride_ot, stride_oh, num_q_heads,
-                  max_splits, KV_SPLIT: tl.constexpr, HEAD_DIM: tl.constexpr, IS_BF16: tl.constexpr,
-                  EXP2: tl.constexpr):
+def _merge_kernel(part_m_ptr, part_l_ptr, part_a_ptr, part_pos_ptr, out_ptr, query_start_loc_ptr, num_seqs, stride_ot,
+                  stride_oh, num_q_heads, max_splits, KV_SPLIT: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  IS_BF16: tl.constexpr, EXP2: tl.constexpr):
     """Merge the splits of one (token, head) in ascending order; the same formula as in-kernel.
     The loop is not software-pipelined: 3 stages measured 15% slower at B = 1 x 32k keys, 6 within
     1-2%; eight splits loaded before they were folded made this kernel 10-33% slower at every
     decode shape (H200, device time)."""
     token = tl.program_id(0)
     head = tl.program_id(1)
-    # -1 for a row no sequence owns (q rows past query_start_loc[-1], e.g. vLLM's CUDA-graph padding):
-    # no split is read, the row's output is 0
-    position = tl.load(part_pos_ptr + token)
+    # A row no sequence owns (q rows past query_start_loc[-1], e.g. vLLM's CUDA-graph padding) reads no
+    # split and its output is 0. Every row before query_start_loc[-1] belongs to a sequence, whose first
+    # program wrote its position; the rows after it were never written (part_pos is not initialised:
+    # a fill would be one more launch per call).
+    owned = token < tl.load(query_start_loc_ptr + num_seqs)
+    position = tl.load(part_pos_ptr + token, mask=owned, other=-1)
     splits = tl.where(position >= 0, tl.minimum(position // KV_SPLIT + 1, max_splits), 0)
     offs_d = tl.arange(0, HEAD_DIM)
     big_m = zero_scalar() + float("-inf")
@@ -605,16 +608,17 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         return (head_programs, splits, num_tiles) if heads_fastest else (num_tiles, head_programs, splits)
     if split_parallel:
         rows = tokens * q_heads * max_splits
-        parts = torch.empty((2 + head_dim) * rows, device=q.device, dtype=torch.float32)  # one allocation
-        part_m, part_l, part_a = parts.split([rows, rows, head_dim * rows])
-        part_pos = torch.full((tokens,), -1, device=q.device, dtype=torch.int32)  # -1: no sequence owns the row
+        # One allocation: the split partials (fp32) and each owned row's position (int32, the last `tokens` words)
+        parts = torch.empty((2 + head_dim) * rows + tokens, device=q.device, dtype=torch.float32)
+        part_m, part_l, part_a, part_pos = parts.split([rows, rows, head_dim * rows, tokens])
+        part_pos = part_pos.view(torch.int32)
         launch(_attention_kernel, grid(cdiv(max_splits, per_program)),
                q, k_arg, v_arg, out, part_m, part_l, part_a, part_pos, query_start_loc, seq_lens, block_table,
                num_seqs, num_tiles, *strides, q_heads, max_splits, scale_log2e, group, *scales, SPLIT_PARALLEL=True,
                **meta)
         launch(_merge_kernel, (tokens, q_heads),
-               part_m, part_l, part_a, part_pos, out, out.stride(0), out.stride(1), q_heads, max_splits,
-               KV_SPLIT=split, HEAD_DIM=head_dim, IS_BF16=is_bf16, EXP2=spec.exp == "exp2", **LAUNCH)
+               part_m, part_l, part_a, part_pos, out, query_start_loc, num_seqs, out.stride(0), out.stride(1),
+               q_heads, max_splits, KV_SPLIT=split, HEAD_DIM=head_dim, IS_BF16=is_bf16, EXP2=spec.exp == "exp2", **LAUNCH)
     else:
         launch(_attention_kernel, grid(1),
                q, k_arg, v_arg, out, out, out, out, out, query_start_loc, seq_lens, block_table, num_seqs, num_tiles,
