@@ -44,6 +44,11 @@ CAPABILITIES = Capabilities(
 )
 
 
+def _int32(t: torch.Tensor) -> torch.Tensor:
+    """The metadata as the kernels read it (int32); no call when it already is (a .to() costs the host ~1 us)."""
+    return t if t.dtype == torch.int32 else t.to(torch.int32)
+
+
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -136,8 +141,8 @@ class CudaBackend(Backend):
             raise UnsupportedError(f"attention: the caches' head_dim must be contiguous (stride 1); got strides "
                                    f"{k_cache.stride()} and {v_cache.stride()}")
         return self._attention.paged_attention(
-            q.contiguous(), k_cache, v_cache, meta.query_start_loc.to(torch.int32), meta.seq_lens.to(torch.int32),
-            meta.block_table.to(torch.int32), scale, self.contract.attention, policy=self._launch)
+            q.contiguous(), k_cache, v_cache, _int32(meta.query_start_loc), _int32(meta.seq_lens),
+            _int32(meta.block_table), scale, self.contract.attention, policy=self._launch)
 
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping):
         self.check_devices("write_kv", k, v, k_cache, v_cache, slot_mapping)
@@ -234,6 +239,6 @@ class CudaBackend(Backend):
             raise UnsupportedError(f"fp8_attention: the caches' head_dim must be contiguous (stride 1); got strides "
                                    f"{k_cache.stride()} and {v_cache.stride()}")
         return self._attention.paged_attention(
-            q.contiguous(), k_cache, v_cache, meta.query_start_loc.to(torch.int32), meta.seq_lens.to(torch.int32),
-            meta.block_table.to(torch.int32), scale, self.contract.attention, policy=self._launch,
+            q.contiguous(), k_cache, v_cache, _int32(meta.query_start_loc), _int32(meta.seq_lens),
+            _int32(meta.block_table), scale, self.contract.attention, policy=self._launch,
             k_scale=k_scale, v_scale=v_scale)
