@@ -132,6 +132,31 @@ def cases(backend, device):
     return out
 
 
+def launch_floor(device, calls: int) -> dict:
+    """What one launch costs this host with nothing around it: a one-line kernel (2 pointers, an int) by
+    Triton's ``kernel[grid]``, by its compiled kernel's launcher called with prepared arguments (the least
+    any Python launch of a Triton kernel costs), and torch's ``add_`` (the least a torch op costs)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _copy(src, dst, n, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        tl.store(dst + offs, tl.load(src + offs, mask=offs < n), mask=offs < n)
+
+    src, dst = torch.zeros(64, device=device), torch.empty(64, device=device)
+    compiled = _copy[(1,)](src, dst, 64, BLOCK=64)
+    stream = torch.cuda.current_stream().cuda_stream
+    args = (src, dst, 64, 64)
+
+    def prepared():
+        compiled.run(1, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None, *args)
+
+    return dict(triton_path_us=host_us(lambda: _copy[(1,)](src, dst, 64, BLOCK=64), calls),
+                fast_path_us=host_us(lambda: launcher.launch(_copy, (1,), src, dst, 64, BLOCK=64), calls),
+                prepared_launcher_us=host_us(prepared, calls), torch_add_us=host_us(lambda: dst.add_(1.0), calls))
+
+
 def bits_equal(a, b) -> bool:
     outs = (a, b) if isinstance(a, tuple) else ((a,), (b,))
     for x, y in zip(*outs):
@@ -188,6 +213,10 @@ def main() -> int:
             pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(18)
             row["profile"] = text.getvalue()
             print(row["profile"], flush=True)
+    floor = launch_floor(device, args.calls)
+    print(f"\none launch and nothing else: kernel[grid] {floor['triton_path_us']:.1f} us, hal.kernels.launcher "
+          f"{floor['fast_path_us']:.1f} us, the compiled kernel's launcher with prepared arguments "
+          f"{floor['prepared_launcher_us']:.1f} us; torch add_ {floor['torch_add_us']:.1f} us", flush=True)
     target = 10.0
     over = [r["op"] for r in rows if r["host_us"] > target]
     print(f"\nops over {target:.0f} us of host time per call: {', '.join(over) or 'none'}; "
@@ -197,7 +226,7 @@ def main() -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, calls=args.calls,
-                           target_us=target, launch_verify=launcher.VERIFY, rows=rows), f, indent=1)
+                           target_us=target, launch_verify=launcher.VERIFY, launch_floor=floor, rows=rows), f, indent=1)
     return 0 if all(r["same_bits_both_paths"] and r["capturable"] for r in rows) else 1
 
 
