@@ -189,3 +189,11 @@ def test_under_the_interpreter_every_launch_is_tritons(monkeypatch):
     for _ in range(3):
         launcher.launch(kernel, (1,), x, out, 32, 16, 0.5, True, BLOCK=16)
     assert kernel.slow_calls == 3
+
+
+def test_the_table_is_bounded(fast, monkeypatch):
+    monkeypatch.setattr(launcher, "MAX_KEYS", 3)
+    x, out = _buffers()
+    for n in range(32, 40):                            # every int value is its own key
+        launcher.launch(fast, (1,), x, out, n, 16, 0.5, True, BLOCK=16)
+    assert 1 <= launcher.cached_specialisations(fast) <= 3

@@ -36,6 +36,7 @@ from hal.kernels.common import INTERPRET
 
 ENABLED = not INTERPRET and os.environ.get("HAL_FAST_LAUNCH", "1") != "0"
 VERIFY = os.environ.get("HAL_LAUNCH_VERIFY", "0") == "1"
+MAX_KEYS = 4096   # per kernel; past it the table starts again (Triton's own cache keeps the compiled kernels)
 
 
 class LaunchVerifyError(RuntimeError):
@@ -142,6 +143,8 @@ def launch(kernel, grid: tuple, *args, **kwargs):
         compiled = kernel[grid](*args, **kwargs)
         tail = launches.tail(len(args), kwargs)
         if compiled is not None and tail is not None:
+            if len(launches.compiled) >= MAX_KEYS:   # ints are keyed by value: a trainer's varying token
+                launches.compiled.clear()            # counts would grow the table without bound
             launches.compiled[key] = (compiled, tail)
         return compiled
     compiled, tail = hit
