@@ -147,28 +147,38 @@ def _config(m: int, n: int, k: int, spec: Gemm, tma: bool, sms: int) -> dict:
     if not tma:  # fp32 (or unaligned) operands: pointer loads, the tiles their registers allow
         return dict(base, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4)
 
-    def tiles(bm, bn):
-        return cdiv(m, bm) * cdiv(n, bn)
-    # Descriptor loads, above 64 rows: the largest tile whose programs fill (nine tenths of) one wave on
-    # the multiprocessors. A tile that leaves them idle costs more than its MMA efficiency gains: 128 x 256
-    # tiles for M = 1024, N = 2048 (64 programs on 132) ran 69-79 us where 128 x 128 / 64 x 128 tiles ran
-    # 39-48 us, and at M = 256, N = 6144 54 us against 35 us (bench/results/h200-2026-12-02-session11).
-    if 10 * tiles(128, 256) >= 9 * sms:
-        # MMA bound: 128 x 256 tiles on two warpgroups. The contract's second fp32 accumulator makes
-        # them spill a little (255 registers + 48 bytes of stack), yet they beat 128 x 128 by 2-7% at
-        # M >= 4096 (a quarter fewer L2 reads per MMA).
-        return dict(base, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, tma=True, num_warps=8, num_stages=3)
-    if 10 * tiles(128, 128) >= 9 * sms:
-        # 128 x 128 on two warpgroups, 5 stages: at M = 128, N = 24576 within 2-6% of the fastest
-        # candidate (0.84-0.89x cuBLAS; the 128 x 256 rule 0.82-0.88x), at M = 1024, N = 2048 the fastest
-        # in one of two runs.
-        return dict(base, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, tma=True, num_warps=8, num_stages=5)
-    if 4 * tiles(64, 128) >= 3 * sms:
-        # One warpgroup per 64 x 128 tile: hal tune's choice at M = 256, N = 4096 and N = 6144 (session 8),
-        # and the fastest at M = 256, N = 6144 in the landscape (0.66x cuBLAS, the 128 x 256 rule 0.43x).
-        return dict(base, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, tma=True, num_warps=4, num_stages=4)
-    # Few rows and a narrow N (M = 128, N <= 6144): 64 x 64 tiles, the most programs.
-    return dict(base, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, tma=True, num_warps=4, num_stages=6)
+    # Descriptor loads, above 64 rows: the tile with the least estimated time, where a launch takes as many
+    # whole waves as its programs need (a partial wave costs a whole one) and a wave takes (programs per
+    # multiprocessor x tile area / the tile's MMA rate). Session 13's family sweep found the old rule
+    # ("the largest tile that fills nine tenths of a wave") at 0.51-0.55x cuBLAS where its tiles spilled
+    # into a second, mostly empty wave (M = 1024, N = 5120: 160 tiles of 128 x 256 on 132 multiprocessors);
+    # session 11 had found it at 0.43-0.49x where one wave was a third full (M = 1024, N = 2048).
+    if sms <= 0:      # a policy that knows no multiprocessor count: the largest tile
+        return dict(base, **_WAVE_TILES[0][0])
+    return dict(base, **min(_WAVE_TILES, key=lambda t: _wave_cost(t, m, n, sms))[0])
+
+
+# (configuration, programs per multiprocessor, MMA rate per multiprocessor relative to 128 x 256) of the tiles
+# the rule above chooses from. Rates from the H200's times: 128 x 256 2-7% faster than 128 x 128 at
+# M >= 4096 (full waves); 64 x 128 (two programs a multiprocessor) 1.19x the time of 128 x 128 at
+# M = 1024, N = 2048 (one wave each: bench/results/h200-2026-12-02-session11); 64 x 64 not measured beside
+# them, rated low so it is chosen only where it saves a wave.
+#   128 x 256 on two warpgroups: the contract's second fp32 accumulator makes it spill a little (255
+#   registers + 48 bytes of stack), yet the fastest tile on full waves (a quarter fewer L2 reads per MMA).
+_WAVE_TILES = (
+    (dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, tma=True, num_warps=8, num_stages=3), 1, 1.0),
+    (dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, tma=True, num_warps=8, num_stages=5), 1, 0.95),
+    (dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, tma=True, num_warps=4, num_stages=4), 2, 0.80),
+    (dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, tma=True, num_warps=4, num_stages=6), 2, 0.65),
+)
+
+
+def _wave_cost(tile, m: int, n: int, sms: int) -> float:
+    """Estimated relative time of an (m, n) GEMM in ``tile`` (an entry of _WAVE_TILES): whole waves x the
+    time of one wave. Ties go to the earlier (larger) tile: ``min`` keeps the first."""
+    cfg, per_sm, rate = tile
+    programs = cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"])
+    return cdiv(programs, per_sm * sms) * per_sm * cfg["BLOCK_M"] * cfg["BLOCK_N"] / rate
 
 
 # The launch configurations the autotuner (hal/kernels/tuning.py) may choose from: every one keeps the
