@@ -4,7 +4,8 @@ CI has no GPU, so these tests drive the cache with a stand-in kernel that record
 compile one kernel per specialisation (Triton's own rule, written out below) and launch it. They check
 that a call reuses a compiled kernel only when Triton's specialisation is the same, that it passes the
 launcher the arguments Triton would, and that the verify mode catches a key that misses a property.
-On the H200 `bench/host_overhead.py --verify` runs the real kernels with HAL_LAUNCH_VERIFY=1.
+On the H200 the real kernels run the conformance kit with HAL_LAUNCH_VERIFY=1 (bench/h200.sh kit-full)
+and bench/host_overhead.py compares both paths bit for bit.
 """
 
 from __future__ import annotations
