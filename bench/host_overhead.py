@@ -74,6 +74,18 @@ def device_us(fn) -> float | None:
         return None
 
 
+def bits_equal(a, b) -> bool:
+    """Two op outputs (a tensor or a tuple of tensors / None) bitwise equal."""
+    outs = (a, b) if isinstance(a, tuple) else ((a,), (b,))
+    for x, y in zip(*outs):
+        if x is None:
+            continue
+        if not torch.equal(x.view(torch.uint8) if x.dtype.is_floating_point else x,
+                           y.view(torch.uint8) if y.dtype.is_floating_point else y):
+            return False
+    return True
+
+
 def captured_bits_equal(fn) -> tuple[bool, str]:
     """Capture one call in a CUDA graph, replay it, and compare its output with an eager call's, bitwise."""
     eager = fn()
@@ -81,14 +93,7 @@ def captured_bits_equal(fn) -> tuple[bool, str]:
         captured = capture(fn)
     except Exception as exc:               # noqa: BLE001
         return False, f"capture failed: {type(exc).__name__}: {str(exc)[:160]}"
-    outs = (eager, captured) if isinstance(eager, tuple) else ((eager,), (captured,))
-    for a, b in zip(*outs):
-        if a is None:
-            continue
-        if not torch.equal(a.view(torch.uint8) if a.dtype.is_floating_point else a,
-                           b.view(torch.uint8) if b.dtype.is_floating_point else b):
-            return False, "replay bits differ from eager"
-    return True, ""
+    return (True, "") if bits_equal(eager, captured) else (False, "replay bits differ from eager")
 
 
 def cases(backend, device):
@@ -155,17 +160,6 @@ def launch_floor(device, calls: int) -> dict:
     return dict(triton_path_us=host_us(lambda: _copy[(1,)](src, dst, 64, BLOCK=64), calls),
                 fast_path_us=host_us(lambda: launcher.launch(_copy, (1,), src, dst, 64, BLOCK=64), calls),
                 prepared_launcher_us=host_us(prepared, calls), torch_add_us=host_us(lambda: dst.add_(1.0), calls))
-
-
-def bits_equal(a, b) -> bool:
-    outs = (a, b) if isinstance(a, tuple) else ((a,), (b,))
-    for x, y in zip(*outs):
-        if x is None:
-            continue
-        if not torch.equal(x.view(torch.uint8) if x.dtype.is_floating_point else x,
-                           y.view(torch.uint8) if y.dtype.is_floating_point else y):
-            return False
-    return True
 
 
 def main() -> int:

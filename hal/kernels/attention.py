@@ -618,7 +618,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                **meta)
         launch(_merge_kernel, (tokens, q_heads),
                part_m, part_l, part_a, part_pos, out, query_start_loc, num_seqs, out.stride(0), out.stride(1),
-               q_heads, max_splits, KV_SPLIT=split, HEAD_DIM=head_dim, IS_BF16=is_bf16, EXP2=spec.exp == "exp2", **LAUNCH)
+               q_heads, max_splits, KV_SPLIT=split, HEAD_DIM=head_dim, IS_BF16=is_bf16, EXP2=spec.exp == "exp2",
+               **LAUNCH)
     else:
         launch(_attention_kernel, grid(1),
                q, k_arg, v_arg, out, out, out, out, out, query_start_loc, seq_lens, block_table, num_seqs, num_tiles,
