@@ -12,9 +12,9 @@ calls the kernel module directly. Sections (``--only``), each with a printed tab
   batch     bitwise: every output row of a batch (slices at several offsets, reversed, probe tokens put at
             the first, middle and last row) == the same token's row computed in another batch / alone, at M
             values that take different tiles of ``fp8_gemm._config`` (m <= 64 and m > 64).
-  tiles     bitwise: one input through every launch configuration of a candidate grid (BLOCK_M, BLOCK_N,
-            GROUP_M, num_warps, num_stages) == the default configuration; configurations that do not fit
-            (triton OutOfResources) are skipped and counted.
+  tiles     bitwise: one input through every launch configuration of the tuner's candidate set
+            (``fp8_gemm.candidates``: tiles, GROUP_M, warps, stages, descriptor loads, PAIR) == the kernel's own
+            launch; configurations that do not fit (triton OutOfResources) are skipped and counted.
   accuracy  against an fp64 oracle (the quantised activations and weights dequantised in fp64, exact; an
             fp64 matmul): max |y - y64| / max |y64|, the share of outputs equal to fl32(y64), and the worst
             error in units of 2**-24 * (|x| @ |w|.T). The same for the reference backend (CPU, exact per-block
@@ -22,9 +22,12 @@ calls the kernel module directly. Sections (``--only``), each with a printed tab
             block with fewer bits than fp32): only the invariances above are claimed, accuracy is measured.
   negative  control: per-tensor dynamic scaling (one scale = fl32(amax of the whole batch / 448)) through the
             same GEMM kernel changes a token's output bits when louder batch-mates join; ours does not.
+  tune      (GPU only, not with --small) ``hal.kernels.tuning.tune_fp8_gemm`` over the speed shapes: every
+            candidate bit-checked against the kernel's own launch and timed (CUDA-graph replay), the fastest kept
+            in a tuning cache (--tune-cache) that the speed section then reads.
   speed     (GPU only, not with --small) median times by ``triton.testing.do_bench`` (CUDA events per call,
-            L2 flushed between calls) of our linear (quantisation + GEMM) and our GEMM, cuBLAS bf16
-            (``F.linear``), ``torch._scaled_mm`` (rowwise, tensorwise, blockwise 1x128/128x128 scales), and,
+            L2 flushed between calls) of our linear (quantisation + GEMM) and our GEMM (tuned, and the
+            kernel's own launch), cuBLAS bf16 (``F.linear``), ``torch._scaled_mm`` (rowwise, tensorwise, blockwise 1x128/128x128 scales), and,
             if vLLM imports (the GPU bundle in /tmp/site on PYTHONPATH, with bench/h200.sh's LD_LIBRARY_PATH
             for its _C_stable_libtorch ops), its Triton block-FP8 GEMM (with and without its per-token-group
             quantiser) and its CUTLASS block-FP8 GEMM; DeepSeek-V3-like (N, K) at M = 1..8192. Each
@@ -37,9 +40,9 @@ to change the bits; 0 otherwise. Every number goes to --json.
     python bench/fp8_gpu.py --json fp8_gpu.json [--quick] [--no-speed] [--only quant,batch,tiles,...]
     TRITON_INTERPRET=1 python bench/fp8_gpu.py --device cpu --small --json /tmp/fp8.json   # CPU, ~1 min
 
-On the GPU the tiles section compiles every candidate (72 launch shapes per case, a few seconds each):
-with the 10-minute limit of one device call, run ``--only tiles`` and ``--only quant,batch,accuracy,
-negative,speed`` as two calls, or use --quick (15 of the 72 launch shapes, fewer speed shapes).
+On the GPU the tiles and tune sections compile every candidate (up to 36 launch shapes, a few seconds
+each): with the 10-minute limit of one device call, run ``--only tiles`` and the others as two processes,
+or use --quick (a third of the candidates in tiles, fewer speed shapes).
 """
 
 from __future__ import annotations
@@ -58,15 +61,15 @@ from triton.runtime.errors import OutOfResources
 
 from hal import fp8
 from hal.api import create_backend
-from hal.backends.cuda.launch import CUDA_LAUNCH
+from hal.backends.cuda.launch import CUDA_LAUNCH, CUDA_LAUNCH_UNTUNED, _tuning_cache
 from hal.contract import load_contract
-from hal.kernels import fp8_gemm
+from hal.kernels import fp8_gemm, tuning
 from hal.kernels.common import INTERPRET
 
 CONTRACT = load_contract("bf16-fp8-v1")
 SPEC = CONTRACT.fp8
 G = SPEC.activation_group          # = SPEC.weight_block = 128: the K block of the GEMM
-SECTIONS = ("quant", "batch", "tiles", "accuracy", "negative", "speed")
+SECTIONS = ("quant", "batch", "tiles", "accuracy", "negative", "tune", "speed")
 START = time.time()
 
 
@@ -305,20 +308,19 @@ def batch_section(device, small):
 # tiles: every launch configuration gives the same bits
 # ---------------------------------------------------------------------------------------------
 
-def tile_candidates(quick):
-    """The launch grid. Hopper's fp8 wgmma needs BLOCK_M >= 64; the interpreter takes 16/32 (its tiles
-    are numpy arrays) and has no warps or stages, so those are not varied there."""
+def tile_candidates(m, n, k, quick, tma_ok):
+    """The tuner's candidate set (``fp8_gemm.candidates``: the list ``hal tune`` times). The interpreter
+    takes 16/32-row tiles (Hopper's fp8 wgmma needs 64) and has no warps, stages or descriptors, so only
+    its tiles and PAIR are varied there. --quick: every third candidate (it still varies each choice)."""
     if INTERPRET:
-        grid = itertools.product((16, 32), (64, 128, 256), (1, 8), (4,), (1,))
-    else:
-        grid = itertools.product((64, 128), (64, 128, 256), (1, 8), (4, 8), (2, 3, 4))
-    configs = [dict(BLOCK_M=bm, BLOCK_N=bn, GROUP_M=gm, num_warps=w, num_stages=s) for bm, bn, gm, w, s in grid]
-    return configs[::5] if quick and not INTERPRET else configs      # a stride of 5 varies every parameter
+        tiles = [(bm, bn, 4, 1) for bm in (16, 32) for bn in (64, 128, 256)]
+        return fp8_gemm.candidates(max(m, 65), n, k, G, False, tiles=tiles)
+    configs = fp8_gemm.candidates(m, n, k, G, tma_ok)
+    return configs[::3] if quick else configs
 
 
 def tiles_section(device, small, quick):
     ms = (33,) if small else (5, 257)
-    candidates = tile_candidates(quick)
     rows = []
     for ci, case in enumerate(cases(small)):
         n, k = case["n"], case["k"]
@@ -327,8 +329,9 @@ def tiles_section(device, small, quick):
             xq, xs = fp8_gemm.quantise_activations(activations(m, k, seed=30 + m).to(device), SPEC)
 
             def run(cfg):
-                return fp8_gemm.gemm(xq, xs, wq, ws, bias, case["out"], SPEC, cfg, policy=CUDA_LAUNCH)
+                return fp8_gemm.gemm(xq, xs, wq, ws, bias, case["out"], SPEC, cfg, policy=CUDA_LAUNCH_UNTUNED)
 
+            candidates = tile_candidates(m, n, k, quick, fp8_gemm.tma_ok(xq) and fp8_gemm.tma_ok(wq))
             base = run(None)
             ran, identical, out_of_resources, errors, differing = 0, 0, [], [], []
             for cfg in candidates:
@@ -346,7 +349,7 @@ def tiles_section(device, small, quick):
                 else:
                     differing.append(cfg)
             rows.append(dict(n=n, k=k, m=m, out=str(case["out"]).replace("torch.", ""), bias=case["bias"],
-                             default=fp8_gemm._config(m, n), candidates=len(candidates), ran=ran,
+                             default=fp8_gemm._config(m, n), candidates=candidates, ran=ran,
                              identical=identical, out_of_resources=out_of_resources, errors=errors,
                              differing=differing))
             log(f"tiles M={m} N={n} K={k}: {identical}/{ran} identical, {len(out_of_resources)} out of resources, "
@@ -355,7 +358,7 @@ def tiles_section(device, small, quick):
           f"{'OutOfRes':>8} {'errors':>6}  default tiles")
     for r in rows:
         d = r["default"]
-        print(f"{r['m']:>5} {r['n']:>6} {r['k']:>6} {r['out']:>9} {r['candidates']:>10} {r['ran']:>5} "
+        print(f"{r['m']:>5} {r['n']:>6} {r['k']:>6} {r['out']:>9} {len(r['candidates']):>10} {r['ran']:>5} "
               f"{r['identical']:>9} {len(r['out_of_resources']):>8} {len(r['errors']):>6}  "
               f"{d['BLOCK_M']}x{d['BLOCK_N']} G{d['GROUP_M']} w{d['num_warps']} s{d['num_stages']}")
         for e in r["errors"]:
@@ -520,6 +523,7 @@ def comparators(x, w, vllm):
     fns = {
         "ours_linear": lambda: fp8_gemm.linear(x, w["wq"], w["ws"], None, bf16, SPEC, policy=CUDA_LAUNCH),
         "ours_gemm": lambda: fp8_gemm.gemm(xq, xs, w["wq"], w["ws"], None, bf16, SPEC, policy=CUDA_LAUNCH),
+        "ours_own_gemm": lambda: fp8_gemm.gemm(xq, xs, w["wq"], w["ws"], None, bf16, SPEC, policy=CUDA_LAUNCH_UNTUNED),
         "cublas_bf16": lambda: F.linear(x, w["bf16"]),
         # torch._scaled_mm: mat_b column-major (the weight's transpose); scales multiply (dequantise).
         "scaled_mm_rowwise": lambda: torch._scaled_mm(xq_row, w["wq_row"].t(), scale_a=x_row_scale[:, None],
@@ -543,8 +547,37 @@ def comparators(x, w, vllm):
     return fns
 
 
-SPEED_COLUMNS = ["ours_linear", "ours_gemm", "cublas_bf16", "scaled_mm_rowwise", "scaled_mm_tensorwise",
+SPEED_COLUMNS = ["ours_linear", "ours_gemm", "ours_own_gemm", "cublas_bf16", "scaled_mm_rowwise", "scaled_mm_tensorwise",
                  "scaled_mm_blockwise", "vllm_triton_gemm", "vllm_triton_linear", "vllm_cutlass_gemm"]
+
+
+def tune_section(device, quick, cache_path):
+    """``tuning.tune_fp8_gemm`` (what ``hal tune`` runs for a block-FP8 model) over the speed section's
+    shapes: every candidate checked bit-equal to the kernel's own launch, the fastest kept in the tuning
+    cache at ``cache_path``, which the speed section then reads (its "ours" columns are the tuned launch;
+    "ours own" the kernel's own table)."""
+    shapes, ms = (QUICK_SHAPES, QUICK_MS) if quick else (SPEED_SHAPES, SPEED_MS)
+    name = torch.cuda.get_device_name(device)
+    cache = tuning.TuneCache(name, triton.__version__)
+    rows = []
+
+    def progress(line):
+        log("tune" + line)
+        cache.save(cache_path)
+    tuning.tune_fp8_gemm([(m, n, k) for n, k in shapes for m in ms], SPEC, device=device, cache=cache,
+                         progress=progress, report=rows)
+    cache.save(cache_path)
+    os.environ["HAL_TUNE_CACHE"] = str(cache_path)      # the launch policy reads it from here on
+    tuning.runtime_cache.cache_clear()
+    _tuning_cache.cache_clear()
+    print(f"\n{'M':>5} {'N':>6} {'K':>6} {'own us':>8} {'tuned us':>8} {'gain':>5}  tuned launch")
+    for r in rows:
+        c = r["config"]
+        launch_text = (f"{c['BLOCK_M']}x{c['BLOCK_N']} w{c['num_warps']} s{c['num_stages']}"
+                       f"{' tma' if c['tma'] else ''}{' pair' if c['pair'] else ''}") if c else "(own)"
+        print(f"{r['m']:>5} {r['n']:>6} {r['k']:>6} {r['default_ms'] * 1e3:>8.1f} {r['best_ms'] * 1e3:>8.1f} "
+              f"{r['default_ms'] / r['best_ms']:>5.2f}  {launch_text}")
+    return dict(cache=str(cache_path), timing="do_bench_cudagraph(rep=20), median", rows=rows)
 
 
 def speed_section(device, quick):
@@ -591,7 +624,7 @@ def speed_section(device, quick):
 
 
 def print_speed(rows, failures):
-    short = dict(ours_linear="ours lin", ours_gemm="ours gemm", cublas_bf16="cuBLAS bf16", scaled_mm_rowwise="sm row",
+    short = dict(ours_linear="ours lin", ours_gemm="ours gemm", ours_own_gemm="ours own", cublas_bf16="cuBLAS bf16", scaled_mm_rowwise="sm row",
                  scaled_mm_tensorwise="sm tensor", scaled_mm_blockwise="sm block", vllm_triton_gemm="vLLM tri",
                  vllm_triton_linear="vLLM tri lin", vllm_cutlass_gemm="vLLM cutlass")
     print(f"\nmicroseconds ({TIMING}); 'lin' = activation quantisation + GEMM, the others the GEMM alone;"
@@ -626,6 +659,8 @@ def main(argv=None) -> int:
     parser.add_argument("--small", action="store_true", help="tiny shapes (for Triton's CPU interpreter)")
     parser.add_argument("--quick", action="store_true", help="a thinned tile grid and fewer speed shapes")
     parser.add_argument("--no-speed", action="store_true")
+    parser.add_argument("--tune-cache", default="fp8_tune.json",
+                        help="tune: where the tuning cache goes (the speed section after it reads it)")
     parser.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections of {SECTIONS}")
     args = parser.parse_args(argv)
     sections = args.only.split(",")
@@ -643,7 +678,7 @@ def main(argv=None) -> int:
                                                              activation_format=SPEC.activation_format,
                                                              weight_format=SPEC.weight_format,
                                                              amax_floor=SPEC.amax_floor),
-                  args=vars(args), tile_candidates=tile_candidates(args.quick))
+                  args=vars(args))
     log(f"{device_name}, torch {torch.__version__}, triton {triton.__version__}, sections {sections}")
     checks = {}
     if "quant" in sections:
@@ -656,6 +691,11 @@ def main(argv=None) -> int:
         report["accuracy"] = accuracy_section(device, args.small)
     if "negative" in sections:
         report["negative"], checks["negative"] = negative_section(device, args.small)
+    if "tune" in sections:
+        if args.no_speed or args.small or device.type != "cuda":
+            report["tune"] = "skipped (--no-speed, --small or not a GPU)"
+        else:
+            report["tune"] = tune_section(device, args.quick, args.tune_cache)
     if "speed" in sections:
         if args.no_speed or args.small or device.type != "cuda":
             report["speed"] = "skipped (--no-speed, --small or not a GPU)"

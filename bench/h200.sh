@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (the `device` tool), from the repository root:
 #   bash bench/h200.sh STEP...     steps: equal tile kit-quick kit-full negative model prefill bench sweep profile digest
-#                                  host family vllm-part vllm grpo
+#                                  host family fp8 vllm-part vllm grpo
 #                                  (default: equal tile kit-quick negative model bench)
 # Installs this checkout (and the carried stevedore wheel in .whl/) into /tmp/site, then runs
 # from outside the checkout so that the installed package (with hal.backends.cuda) is imported.
@@ -24,6 +24,9 @@
 #   FAMILY_ARGS    family_sweep.py's arguments for `family` (default "--budget-s 300"); with the vLLM bundle
 #                  unpacked (a `vllm` or `grpo` step before it, or the parts carried) decode is also timed
 #                  against vLLM's FlashAttention-3
+#   FP8_ARGS       fp8_gpu.py's arguments for `fp8` (default "--quick"); FP8_TAG names its files; with the vLLM
+#                  bundle unpacked its block-FP8 GEMMs are timed beside ours; HAL_TUNE_CACHE (tune section's
+#                  --tune-cache) is where its tuning cache goes / is read
 set -uo pipefail
 steps=${*:-equal tile kit-quick negative model bench}
 repo=$(pwd)
@@ -112,6 +115,12 @@ for step in $steps; do
             (cd "$repo/bench" && python3 family_sweep.py ${FAMILY_ARGS:---budget-s 300} --json "$out/family_sweep.json") \
               > "$out/family_sweep.log" 2>&1 || status=1
             tail -n 25 "$out/family_sweep.log" ;;
+    fp8) [ -d /tmp/vllm-parts ] && { vllm_env || true; }
+         tag=${FP8_TAG:-run}
+         python3 "$repo/bench/fp8_gpu.py" ${FP8_ARGS:---quick} --tune-cache "${HAL_TUNE_CACHE:-/tmp/fp8_tune.json}" \
+           --json "$out/fp8_gpu_$tag.json" > "$out/fp8_gpu_$tag.log" 2>&1 || status=1
+         cp "${HAL_TUNE_CACHE:-/tmp/fp8_tune.json}" "$out/" 2>/dev/null
+         grep -vE '^\[' "$out/fp8_gpu_$tag.log" | tail -n 60 ;;
     digest) python3 "$repo/bench/digest_gpu.py" --json "$out/digest_gpu.json" > "$out/digest_gpu.log" 2>&1 || status=1
             tail -n 20 "$out/digest_gpu.log" ;;
     grpo) # the GPU recipe (recipes/grpo-h200.yaml) with GPU vLLM rollouts; GRPO_ARGS: recipe overrides

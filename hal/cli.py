@@ -216,8 +216,15 @@ def _tune(args) -> int:
         raise HalError(f"hal tune: {out} was made on {cache.device} with triton {cache.triton}; this is {device} "
                        f"with triton {triton.__version__}: pass another --cache")
     shapes, out_dtypes = tuning.model_gemm_shapes(model, batches)
-    print(f"hal tune: {len(shapes)} GEMM shapes of {config_file} on {device}, contract {backend.contract}; "
-          f"cache {out}", flush=True)
+    fp8_shapes = []
+    if model.fp8 is not None:            # its linears are block-FP8 GEMMs; only the logits GEMM stays bf16
+        if backend.contract.fp8 is None:
+            raise HalError(f"hal tune: {config_file} is a block-FP8 model; contract {backend.contract.name} has no "
+                           f"[fp8] section: pass --contract bf16-fp8-v1 (or another contract with one)")
+        fp8_shapes = tuning.model_fp8_shapes(model, batches)
+        shapes = [s for s in shapes if s not in fp8_shapes]
+    print(f"hal tune: {len(shapes)} GEMM and {len(fp8_shapes)} block-FP8 GEMM shapes of {config_file} on {device}, "
+          f"contract {backend.contract}; cache {out}", flush=True)
     rows: list = []
 
     def progress(line: str) -> None:
@@ -233,6 +240,10 @@ def _tune(args) -> int:
 
     tuning.tune_gemm(shapes, backend.contract.gemm, out_dtypes=out_dtypes, cache=cache, progress=progress,
                      baseline=cublas if args.report else None, report=rows)
+    if fp8_shapes:                       # the stock baseline is cuBLAS bf16 on the dequantised weight
+        tuning.tune_fp8_gemm(fp8_shapes, backend.contract.fp8, cache=cache, progress=progress,
+                             baseline=(lambda x, w: torch.nn.functional.linear(x, w)) if args.report else None,
+                             report=rows)
     print(f"hal tune: {len(cache.entries)} shape classes in {out}" + (f"; report {args.report}" if args.report else ""))
     return 0
 
@@ -269,7 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="show the train/rollout mismatch of stock kernels and its fix, on this machine")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_demo)
-    p = sub.add_parser("tune", help="time the GEMM launch choices for a model's linears on this GPU (cuda backend)")
+    p = sub.add_parser("tune", help="time the GEMM launch choices (bf16 or block-FP8) for a model's linears on this GPU (cuda backend)")
     p.add_argument("--model", required=True, help="a Hugging Face config.json, or a checkpoint directory holding one")
     p.add_argument("--batch", default=DEFAULT_TUNE_BATCHES, help="tokens per call to tune for, comma-separated")
     p.add_argument("--contract", help="contract name or .toml path (default: the backend's first)")

@@ -89,6 +89,83 @@ def test_every_tile_configuration_gives_the_same_bits(cuda):
         assert torch.equal(fp8_gemm.gemm(xq, xs, wq, ws, None, torch.float32, SPEC, config), base), config
 
 
+def test_every_fp8_autotuner_candidate_gives_the_same_bits(cuda):
+    """The tuner's whole candidate set (``fp8_gemm.candidates``: tiles, GROUP_M and PAIR, two K blocks per
+    loop step) at an odd and an even number of K blocks, M on both sides of the 64-row tile choice: every
+    configuration gives the kernel's own bits (warps, stages and descriptor loads do nothing under the
+    interpreter: bench/fp8_gpu.py checks the same list on the GPU). Negative control: the same block
+    partials added in descending order give other bits, so the order PAIR keeps is what the equality needs."""
+    from hal.kernels import fp8_gemm
+
+    for m, n, k in ((70, 150, 384), (5, 150, 512)):
+        x, wq, ws = quantised_layer(m, n, k, 40 + m)
+        xq, xs = fp8_gemm.quantise_activations(x, SPEC)
+        own = fp8_gemm.gemm(xq, xs, wq, ws, None, torch.float32, SPEC)
+        configs = fp8_gemm.candidates(m, n, k, SPEC.activation_group, tma_ok=False)
+        assert any(c["pair"] for c in configs) and any(not c["pair"] for c in configs)
+        assert {c["BLOCK_M"] for c in configs} == ({64, 128} if m > 64 else {64})
+        distinct = {(c["BLOCK_M"], c["BLOCK_N"], c["GROUP_M"], c["pair"]): c for c in configs}
+        for config in distinct.values():
+            assert torch.equal(fp8_gemm.gemm(xq, xs, wq, ws, None, torch.float32, SPEC, config), own), config
+    w_scale_cols = ws.repeat_interleave(SPEC.weight_block, 0)[:n]
+    descending = torch.zeros(m, n)
+    for block, (start, end) in reversed(list(enumerate(SPEC.group_ranges(k)))):
+        partial = fp8.matmul_fp32(xq[:, start:end].float(), wq[:, start:end].float().T)
+        descending = descending + partial * (xs[:, block, None] * w_scale_cols[None, :, block])
+    assert not torch.equal(descending, own)
+
+
+def test_fp8_gemm_takes_the_policys_launch_and_the_tuner_keeps_the_fastest(cuda, monkeypatch):
+    """A launch policy's ``fp8_tiles`` (the tuning cache's choice on a GPU) replaces the kernel's own tiles;
+    ``tune_fp8_gemm`` (stand-in timer) keeps the fastest candidate under the FP8 shape class, a key no bf16
+    GEMM shares; a candidate that changes a bit stops the tuning with an error naming it."""
+    from hal.errors import HalError
+    from hal.kernels import fp8_gemm, tuning
+    from hal.kernels.policy import LaunchPolicy
+
+    x, wq, ws = quantised_layer(5, 150, 256, 3)
+    xq, xs = fp8_gemm.quantise_activations(x, SPEC)
+    seen = []
+    real_launch = fp8_gemm.launch
+    monkeypatch.setattr(fp8_gemm, "launch", lambda kernel, grid, *a, **kw: (seen.append((grid, kw)),
+                                                                            real_launch(kernel, grid, *a, **kw)))
+
+    class Tuned(LaunchPolicy):
+        def fp8_tiles(self, m, n, k, spec, out_dtype):
+            return dict(BLOCK_M=32, BLOCK_N=32, pair=True)
+    own = fp8_gemm.gemm(xq, xs, wq, ws, None, torch.float32, SPEC, policy=LaunchPolicy())
+    tuned = fp8_gemm.gemm(xq, xs, wq, ws, None, torch.float32, SPEC, policy=Tuned())
+    assert torch.equal(tuned, own)
+    assert (seen[0][1]["BLOCK_N"], seen[0][1]["PAIR"]) == (64, False)
+    assert (seen[1][1]["BLOCK_M"], seen[1][1]["BLOCK_N"], seen[1][1]["PAIR"]) == (32, 32, True)
+    assert seen[1][0] == (5,)                                   # ceil(5 / 32) x ceil(150 / 32) programs
+
+    small = [(16, 64, 4, 1), (16, 128, 4, 1)]                   # interpreter-sized tiles through the same rules
+    every = fp8_gemm.candidates
+    monkeypatch.setattr(fp8_gemm, "candidates", lambda *a: every(*a, tiles=small))
+    timings = iter(range(1000, 0, -1))                          # each timing faster than the one before
+    cache = tuning.TuneCache("cpu (interpreter)", "x")
+    tuning.tune_fp8_gemm([(5, 150, 256)], SPEC, device="cpu", cache=cache, timer=lambda fn: (fn(), next(timings))[1],
+                         progress=None)
+    key = tuning.fp8_shape_class(5, 150, 256, SPEC, torch.bfloat16)
+    assert key != tuning.shape_class(5, 150, 256, torch.bfloat16, torch.bfloat16, SPEC.activation_group)
+    configs = fp8_gemm.candidates(5, 150, 256, SPEC.activation_group, False)
+    assert len(configs) == 4 and cache.config(key) == configs[-1] and cache.entries[key]["candidates"] == 4
+
+    real_gemm = fp8_gemm.gemm
+
+    def planted(*args, **kwargs):
+        out = real_gemm(*args, **kwargs)
+        config = args[7] if len(args) > 7 else kwargs.get("config")
+        if config and config.get("pair"):
+            out[0, 0] = -out[0, 0]                              # another bit pattern, even for a zero
+        return out
+    monkeypatch.setattr(fp8_gemm, "gemm", planted)
+    with pytest.raises(HalError, match="FP8 GEMM .* gives other bits than the kernel's own"):
+        tuning.tune_fp8_gemm([(5, 150, 256)], SPEC, device="cpu", cache=tuning.TuneCache("c", "x"),
+                             timer=lambda fn: 1.0, progress=None)
+
+
 def test_a_tokens_output_depends_on_that_token_alone_and_per_tensor_scaling_does_not(cuda):
     from hal.kernels import fp8_gemm
 

@@ -3,7 +3,8 @@
 The kernels size their launch shapes in waves of programs on the multiprocessors (a second, partial
 wave costs a quarter of the time at some shapes); the count is the one thing about an NVIDIA device
 they need, and it comes from here. Tiles are the kernels' own tables, tuned on the H200, unless a
-tuning cache of this GPU (``hal tune``, hal/kernels/tuning.py) holds a measured choice for a GEMM shape.
+tuning cache of this GPU (``hal tune``, hal/kernels/tuning.py) holds a measured choice for a GEMM shape
+(bf16 or block-FP8).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import os
 
 import torch
 
-from hal.contract import Gemm
+from hal.contract import Fp8, Gemm
 from hal.kernels import tuning
 from hal.kernels.policy import LaunchPolicy
 
@@ -39,6 +40,13 @@ class CudaLaunch(LaunchPolicy):
             return None
         in_dtype = _IN_DTYPES.get(in_bytes)
         return cache.config(tuning.shape_class(m, n, k, in_dtype, out_dtype or in_dtype, spec.k_chunk))
+
+    def fp8_tiles(self, m: int, n: int, k: int, spec: Fp8, out_dtype: torch.dtype) -> dict | None:
+        """The tuned launch of this block-FP8 GEMM's shape class, as ``gemm_tiles`` for bf16."""
+        cache = _tuning_cache() if self.tuned else None
+        if cache is None:
+            return None
+        return cache.config(tuning.fp8_shape_class(m, n, k, spec, out_dtype))
 
 
 @functools.lru_cache(maxsize=None)

@@ -13,9 +13,11 @@ Reduction structure (contract [fp8], read from ``activation_group``; see hal/fp8
     acc = fl32(acc + fl32(partial * fl32(a_scale * w_scale_inv))) in ascending block order from +0
     (``LAUNCH`` disables FMA contraction); the bias in fp32; one rounding.
 
-Tiling (BLOCK_M, BLOCK_N, warps, stages) is free: every tile walks the same blocks in the same
-order. BLOCK_K is G, so one ``tl.dot`` is one K block: splitting a block into two dots would change
-the order inside it, which the contract leaves to the backend but which must then be fixed.
+Tiling (BLOCK_M, BLOCK_N, warps, stages), descriptor (TMA) or pointer loads, and one or two K blocks
+per loop step (PAIR) are free: every launch walks the same blocks and adds them in the same order.
+``candidates`` lists them; the tuner (hal/kernels/tuning.py) picks by timing. BLOCK_K is G, so one ``tl.dot`` is one K block: splitting a
+block into two dots would change the order inside it, which the contract leaves to the backend but
+which must then be fixed.
 Under the interpreter the fp8 tiles are upcast to fp64 before the dot, and the partial rounded once to
 fp32. That is exact, not an approximation: an e4m3 product is a multiple of 2**-18 below 2**18, so a
 block's sum of 128 of them is a multiple of 2**-18 below 2**25, which fp64 holds exactly in every
@@ -84,11 +86,44 @@ def _quant_kernel(x_ptr, q_ptr, s_ptr, stride_xm, stride_qm, stride_sm, floor, f
     tl.store(s_ptr + row * stride_sm + group, scale)
 
 
+@triton.jit
+def _block_partial(xq, wq, offs_m, offs_n, m_ok, n_ok, pid_m, pid_n, kb, stride_xm, stride_xk, stride_wn, stride_wk,
+                   GROUP: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
+    """K block ``kb``'s fp32 partial product of the (BLOCK_M, BLOCK_N) tile, accumulated from zero."""
+    if TMA:   # descriptors of (BLOCK_M, GROUP) and (BLOCK_N, GROUP) blocks; rows past M or N read as zeros
+        a = xq.load([pid_m * BLOCK_M, kb * GROUP])
+        b = wq.load([pid_n * BLOCK_N, kb * GROUP]).T
+    else:
+        ks = kb * GROUP + tl.arange(0, GROUP)
+        a = tl.load(xq + offs_m[:, None] * stride_xm + ks[None, :] * stride_xk, mask=m_ok[:, None], other=0.0)
+        b = tl.load(wq + offs_n[None, :] * stride_wn + ks[:, None] * stride_wk, mask=n_ok[None, :], other=0.0)
+    if UPCAST:  # interpreter: an fp64 dot, exact in any order (module docstring), rounded once
+        a64 = a.to(tl.float32).to(tl.float64)   # fp8 -> fp64 in two exact casts (the interpreter
+        b64 = b.to(tl.float32).to(tl.float64)   # has no direct one)
+        return tl.dot(a64, b64, input_precision="ieee", out_dtype=tl.float64).to(tl.float32)
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _block_scale(xs_ptr, ws_ptr, offs_m, offs_n, m_ok, n_ok, kb, stride_xsm, stride_xsk, stride_wsn, stride_wsk,
+                 GROUP: tl.constexpr):
+    """fl32(a_scale * w_scale_inv) of K block ``kb`` for every (row, column) of the tile."""
+    a_s = tl.load(xs_ptr + offs_m * stride_xsm + kb * stride_xsk, mask=m_ok, other=0.0)
+    # [fp8].weight_block = activation_group: column n's scale row is n // GROUP
+    w_s = tl.load(ws_ptr + (offs_n // GROUP) * stride_wsn + kb * stride_wsk, mask=n_ok, other=0.0)
+    return a_s[:, None] * w_s[None, :]
+
+
 @triton.jit(do_not_specialize=["M"])
-def _fp8_gemm_kernel(xq_ptr, xs_ptr, wq_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K,
+def _fp8_gemm_kernel(xq, xs_ptr, wq, ws_ptr, bias_ptr, out_ptr, M, N, K,
                      stride_xm, stride_xk, stride_xsm, stride_xsk, stride_wn, stride_wk, stride_wsn, stride_wsk,
                      stride_om, stride_on, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, OUT_BF16: tl.constexpr,
-                     UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+                     UPCAST: tl.constexpr, TMA: tl.constexpr, PAIR: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """xq, wq: pointers, or (TMA) tensor descriptors. PAIR: two K blocks per step, both partials
+    computed before either is added, so one block's MMAs can run while the other's scaled add does;
+    the adds keep the ascending order, so the bits are PAIR=0's."""
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -99,29 +134,32 @@ def _fp8_gemm_kernel(xq_ptr, xs_ptr, wq_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K,
     pid_n = (pid % (GROUP_M * tiles_n)) // rows_in_group
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, GROUP)
     m_ok = offs_m < M
     n_ok = offs_n < N
+    blocks = K // GROUP
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(0, K // GROUP):                 # ascending K blocks, each scaled, from +0
-        ks = kb * GROUP + offs_k
-        a = tl.load(xq_ptr + offs_m[:, None] * stride_xm + ks[None, :] * stride_xk, mask=m_ok[:, None], other=0.0)
-        b = tl.load(wq_ptr + offs_n[None, :] * stride_wn + ks[:, None] * stride_wk, mask=n_ok[None, :], other=0.0)
-        if UPCAST:  # interpreter: an fp64 dot, exact in any order (module docstring), rounded once
-            a64 = a.to(tl.float32).to(tl.float64)   # fp8 -> fp64 in two exact casts (the interpreter
-            b64 = b.to(tl.float32).to(tl.float64)   # has no direct one)
-            partial = tl.dot(a64, b64, input_precision="ieee", out_dtype=tl.float64).to(tl.float32)
-        else:
-            partial = tl.dot(a, b)
-        a_s = tl.load(xs_ptr + offs_m * stride_xsm + kb * stride_xsk, mask=m_ok, other=0.0)
-        # [fp8].weight_block = activation_group: column n's scale row is n // GROUP
-        w_s = tl.load(ws_ptr + (offs_n // GROUP) * stride_wsn + kb * stride_wsk, mask=n_ok, other=0.0)
-        scale = a_s[:, None] * w_s[None, :]         # fl32(a_scale * w_scale_inv) first
-        acc = acc + partial * scale                 # then the partial, then the add: two roundings
+    # ascending K blocks from +0: acc = fl32(acc + fl32(partial * fl32(a_scale * w_scale_inv)))
+    for kb in range(0, blocks - PAIR, 1 + PAIR):
+        first = _block_partial(xq, wq, offs_m, offs_n, m_ok, n_ok, pid_m, pid_n, kb, stride_xm, stride_xk,
+                               stride_wn, stride_wk, GROUP, UPCAST, TMA, BLOCK_M, BLOCK_N)
+        if PAIR:
+            second = _block_partial(xq, wq, offs_m, offs_n, m_ok, n_ok, pid_m, pid_n, kb + 1, stride_xm,
+                                    stride_xk, stride_wn, stride_wk, GROUP, UPCAST, TMA, BLOCK_M, BLOCK_N)
+        acc = acc + first * _block_scale(xs_ptr, ws_ptr, offs_m, offs_n, m_ok, n_ok, kb, stride_xsm, stride_xsk,
+                                         stride_wsn, stride_wsk, GROUP)
+        if PAIR:
+            acc = acc + second * _block_scale(xs_ptr, ws_ptr, offs_m, offs_n, m_ok, n_ok, kb + 1, stride_xsm,
+                                              stride_xsk, stride_wsn, stride_wsk, GROUP)
+    if PAIR:
+        if blocks % 2 == 1:   # the odd last block
+            last = _block_partial(xq, wq, offs_m, offs_n, m_ok, n_ok, pid_m, pid_n, blocks - 1, stride_xm,
+                                  stride_xk, stride_wn, stride_wk, GROUP, UPCAST, TMA, BLOCK_M, BLOCK_N)
+            acc = acc + last * _block_scale(xs_ptr, ws_ptr, offs_m, offs_n, m_ok, n_ok, blocks - 1, stride_xsm,
+                                            stride_xsk, stride_wsn, stride_wsk, GROUP)
     if HAS_BIAS:
         acc = acc + tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on, to_activation(acc, OUT_BF16),
-             mask=m_ok[:, None] & n_ok[None, :])
+    tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on,
+             to_activation(acc, OUT_BF16), mask=m_ok[:, None] & n_ok[None, :])
 
 
 def quantise(x: torch.Tensor, group: int, fmt: str, spec: Fp8) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,37 +184,83 @@ def quantise_activations(x: torch.Tensor, spec: Fp8) -> tuple[torch.Tensor, torc
 
 
 def _config(m: int, n: int) -> dict:
-    """Tiles per shape: free (they do not change the bits). Not tuned on a GPU yet: Hopper's FP8 wgmma
-    needs BLOCK_M >= 64; the interpreter takes small tiles so that N and M edges are crossed."""
+    """The kernel's own tiles per shape: free (they do not change the bits); a tuning cache of the device
+    (``hal tune``, hal/kernels/tuning.py) replaces them per shape class. Hopper's FP8 wgmma needs
+    BLOCK_M >= 64; the interpreter takes small tiles so that N and M edges are crossed."""
     if INTERPRET:
-        return dict(BLOCK_M=16, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=1)
+        return dict(BLOCK_M=16, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=1, tma=False, pair=False)
     if m <= 64:
-        return dict(BLOCK_M=64, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=4)
-    return dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3)
+        return dict(BLOCK_M=64, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=4, tma=False, pair=False)
+    return dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3, tma=False, pair=False)
+
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) worth timing on Hopper. A stage holds (BLOCK_M + BLOCK_N) x 128
+# fp8 bytes (one K block of each operand).
+_TILES = [(64, 64, 4, 4), (64, 128, 4, 4), (64, 128, 4, 6), (64, 256, 4, 3),
+          (128, 64, 4, 4), (128, 128, 4, 4), (128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3)]
+_SHARED_BYTES = 200 * 1024   # of the H200's 227 KB per block, room left for the layout conversions
+_PAIR_ACC_PER_THREAD = 64    # fp32 accumulator values per thread up to which PAIR's two extra tiles fit
+
+
+def candidates(m: int, n: int, k: int, group: int, tma_ok: bool, tiles=None) -> list[dict]:
+    """Every contract-preserving launch configuration worth timing for an (m, n, k) FP8 GEMM: the tiles of
+    ``_TILES`` whose BLOCK_M is not above M (rounded up to a power of two, at least 64) and that fit in shared memory, each by pointer and (where
+    the tensors allow it) by descriptor, with one or two K blocks per step (PAIR, where the registers allow
+    it and K has two blocks). None of these choices changes a bit (tests/test_cuda_fp8.py under the
+    interpreter, bench/fp8_gpu.py's tiles section on the GPU over this same list)."""
+    out = []
+    for bm, bn, warps, stages in (_TILES if tiles is None else tiles):
+        if bm > max(64, 1 << max(0, (m - 1).bit_length())) or (bm + bn) * group * stages > _SHARED_BYTES:
+            continue
+        pairs = (False, True) if bm * bn <= _PAIR_ACC_PER_THREAD * warps * 32 and k >= 2 * group else (False,)
+        for tma in ((False, True) if tma_ok else (False,)):
+            for pair in pairs:
+                out.append(dict(BLOCK_M=bm, BLOCK_N=bn, GROUP_M=8 if m > 64 else 1, num_warps=warps,
+                                num_stages=stages, tma=tma, pair=pair))
+    return out
+
+
+def tma_ok(t: torch.Tensor) -> bool:
+    """A tensor descriptor needs a row-major matrix with a 16-byte aligned base and rows (never under the
+    interpreter here: the kernels' interpreter runs take the pointer path)."""
+    return (not INTERPRET and t.dim() == 2 and t.stride(1) == 1 and t.data_ptr() % 16 == 0
+            and (t.stride(0) * t.element_size()) % 16 == 0)
 
 
 def gemm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale_inv: torch.Tensor,
          bias: torch.Tensor | None, out_dtype: torch.dtype, spec: Fp8, config: dict | None = None, *,
          policy: LaunchPolicy | None = None) -> torch.Tensor:
     """xq (M, K) fp8 with x_scale (M, K/G) @ wq (N, K).T fp8 with w_scale_inv (ceil(N/G), K/G) -> (M, N).
-    ``config`` overrides the tiles (tests); ``policy`` is accepted for symmetry with gemm.linear (the
-    FP8 tiles have no per-device table yet)."""
+    The tiles are ``_config``'s, with the ``policy``'s (a tuning cache's choice) over them, and ``config``
+    over both (tests, the tuner)."""
     m, k = xq.shape
     n = wq.shape[0]
     out = torch.empty((m, n), device=xq.device, dtype=out_dtype)
     if m == 0 or n == 0:
         return out
+    group = spec.activation_group
     cfg = _config(m, n)
+    tuned = policy.fp8_tiles(m, n, k, spec, out_dtype) if policy is not None else None
+    if tuned:
+        cfg.update(tuned)
     if config:
         cfg.update(config)
+    tma = cfg["tma"] and tma_ok(xq) and tma_ok(wq)   # descriptor loads where the tensors allow (same bits)
+    if tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        x_arg = TensorDescriptor.from_tensor(xq, [cfg["BLOCK_M"], group])
+        w_arg = TensorDescriptor.from_tensor(wq, [cfg["BLOCK_N"], group])
+    else:
+        x_arg, w_arg = xq, wq
     grid = (cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"]),)
     launch(_fp8_gemm_kernel, grid,
-           xq, x_scale, wq, w_scale_inv, bias if bias is not None else out, out, m, n, k, xq.stride(0), xq.stride(1),
-           x_scale.stride(0), x_scale.stride(1), wq.stride(0), wq.stride(1), w_scale_inv.stride(0),
-           w_scale_inv.stride(1), out.stride(0), out.stride(1), GROUP=spec.activation_group,
-           HAS_BIAS=bias is not None, OUT_BF16=out_dtype == torch.bfloat16, UPCAST=INTERPRET, BLOCK_M=cfg["BLOCK_M"],
-           BLOCK_N=cfg["BLOCK_N"], GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-           **LAUNCH)
+           x_arg, x_scale, w_arg, w_scale_inv, bias if bias is not None else out, out, m, n, k, xq.stride(0),
+           xq.stride(1), x_scale.stride(0), x_scale.stride(1), wq.stride(0), wq.stride(1), w_scale_inv.stride(0),
+           w_scale_inv.stride(1), out.stride(0), out.stride(1), GROUP=group, HAS_BIAS=bias is not None,
+           OUT_BF16=out_dtype == torch.bfloat16, UPCAST=INTERPRET, TMA=tma, PAIR=bool(cfg["pair"]),
+           BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"],
+           num_stages=cfg["num_stages"], **LAUNCH)
     return out
 
 

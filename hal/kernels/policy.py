@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from hal.contract import Attention, Gemm
+from hal.contract import Attention, Fp8, Gemm
 
 
 class LaunchPolicy:
@@ -28,6 +28,11 @@ class LaunchPolicy:
                    out_dtype: torch.dtype | None = None) -> dict | None:
         """Tile choices that replace the kernel's own for this call (keys of ``gemm._config``:
         BLOCK_M/N/K, split, num_warps, num_stages, ...), or None for the kernel's own."""
+        return None
+
+    def fp8_tiles(self, m: int, n: int, k: int, spec: Fp8, out_dtype: torch.dtype) -> dict | None:
+        """Launch choices that replace the block-FP8 GEMM's own for this call (keys of
+        ``fp8_gemm._config``: BLOCK_M/N, GROUP_M, num_warps, num_stages, tma, pair), or None."""
         return None
 
     def attention_block_q(self, q: torch.Tensor, k_cache: torch.Tensor, query_start_loc: torch.Tensor,

@@ -30,7 +30,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from hal.contract import Gemm
+from hal.contract import Fp8, Gemm
 from hal.errors import HalError
 
 log = logging.getLogger(__name__)
@@ -43,6 +43,13 @@ def shape_class(m: int, n: int, k: int, in_dtype: torch.dtype, out_dtype: torch.
     m_class = 1 << max(0, (max(1, m) - 1).bit_length())
     name = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}
     return f"m{m_class}-n{n}-k{k}-{name.get(in_dtype, str(in_dtype))}-{name.get(out_dtype, str(out_dtype))}-kc{k_chunk}"
+
+
+def fp8_shape_class(m: int, n: int, k: int, spec: Fp8, out_dtype: torch.dtype) -> str:
+    """The cache key of a block-FP8 GEMM (``hal.kernels.fp8_gemm``): as ``shape_class``, with the
+    activation format for the input and the K block for the chunk."""
+    bf16_key = shape_class(m, n, k, torch.bfloat16, out_dtype, spec.activation_group)
+    return bf16_key.replace("-bf16-", f"-{spec.activation_format}-", 1)
 
 
 def default_cache_path(device_name: str) -> Path:
@@ -124,42 +131,80 @@ def tune_gemm(shapes: Iterable[tuple[int, int, int]], spec: Gemm, *, dtype: torc
     g = torch.Generator(device=device).manual_seed(0)
     for m, n, k in shapes:
         out_dtype = out_dtypes.get((n, k), dtype)
-        key = shape_class(m, n, k, dtype, out_dtype, spec.k_chunk)
         x = torch.randn(m, k, generator=g, device=device).to(dtype)
         w = (torch.randn(n, k, generator=g, device=device) * k ** -0.5).to(dtype)
-        reference = gemm.linear(x, w, None, out_dtype, spec, policy=untuned)
-        default_ms = timer(lambda: gemm.linear(x, w, None, out_dtype, spec, policy=untuned))
-        best, best_ms, tried, skipped = None, default_ms, 0, 0
         tma_ok = gemm._tma_ok(x) and gemm._tma_ok(w) and not gemm.INTERPRET
-        for config in gemm.candidates(m, n, k, spec, tma_ok):
-            try:
-                out = gemm.linear(x, w, None, out_dtype, spec, config, policy=untuned)
-            except Exception as exc:          # e.g. out of resources for this tile: not a candidate here (counted)
-                log.debug("tune %s: %s failed to launch: %s", key, config, exc)
-                skipped += 1
-                continue
-            if not torch.equal(_bits(out), _bits(reference)):
-                raise HalError(f"tune: configuration {config} of the GEMM ({m}, {n}, {k}) gives other bits than "
-                               f"the kernel's own: launch choices must not change bits (a kernel bug; report it)")
-            ms = timer(lambda: gemm.linear(x, w, None, out_dtype, spec, config, policy=untuned))
-            tried += 1
-            if ms < best_ms:
-                best, best_ms = config, ms
-        if best is not None:
-            cache.entries[key] = {"config": best, "ms": best_ms, "default_ms": default_ms, "candidates": tried,
-                                  "skipped": skipped}
-        else:
-            cache.entries.pop(key, None)      # the kernel's own table is the fastest: nothing to override
-        stock_ms = timer(lambda: baseline(x, w, out_dtype)) if baseline is not None else None
-        if report is not None:
-            report.append(dict(m=m, n=n, k=k, key=key, default_ms=default_ms, best_ms=best_ms, config=best,
-                               candidates=tried, skipped=skipped, baseline_ms=stock_ms))
-        if progress:
-            stock = f", stock {stock_ms * 1e3:8.1f} us (ours {stock_ms / best_ms:.2f}x)" if stock_ms is not None else ""
-            progress(f"  {key:44} {tried:3} candidates ({skipped} did not launch), default {default_ms * 1e3:8.1f} us, "
-                     f"best {best_ms * 1e3:8.1f} us ({default_ms / best_ms:.2f}x){stock}")
+        _tune_shape(f"GEMM ({m}, {n}, {k})", shape_class(m, n, k, dtype, out_dtype, spec.k_chunk),
+                    lambda config: gemm.linear(x, w, None, out_dtype, spec, config, policy=untuned),
+                    gemm.candidates(m, n, k, spec, tma_ok), cache, timer, progress, report, dict(m=m, n=n, k=k),
+                    (lambda: baseline(x, w, out_dtype)) if baseline is not None else None)
         del x, w
     return cache
+
+
+def tune_fp8_gemm(shapes: Iterable[tuple[int, int, int]], spec: Fp8, *, out_dtype: torch.dtype = torch.bfloat16,
+                  device: torch.device | str = "cuda", cache: TuneCache,
+                  timer: Callable[[Callable[[], object]], float] = _device_ms,
+                  progress: Callable[[str], None] | None = print, baseline: Callable | None = None,
+                  report: list | None = None) -> TuneCache:
+    """``tune_gemm`` for the block-FP8 GEMM (``fp8_gemm.candidates``; the activations quantised once,
+    outside what is timed). ``baseline(x_bf16, w_bf16)``: a stock GEMM timed beside it."""
+    from hal import fp8
+    from hal.backends.cuda.launch import CUDA_LAUNCH_UNTUNED as untuned
+    from hal.kernels import fp8_gemm
+
+    g = torch.Generator(device=device).manual_seed(0)
+    for m, n, k in shapes:
+        x = torch.randn(m, k, generator=g, device=device).bfloat16()
+        w = torch.randn(n, k, generator=g, device=device) * k ** -0.5
+        wq, ws = fp8.quantise_weight_blocks(w, spec)
+        xq, xs = fp8_gemm.quantise_activations(x, spec)
+        ok = fp8_gemm.tma_ok(xq) and fp8_gemm.tma_ok(wq)
+        w_bf16 = w.bfloat16() if baseline is not None else None
+        _tune_shape(f"FP8 GEMM ({m}, {n}, {k})", fp8_shape_class(m, n, k, spec, out_dtype),
+                    lambda config: fp8_gemm.gemm(xq, xs, wq, ws, None, out_dtype, spec, config, policy=untuned),
+                    fp8_gemm.candidates(m, n, k, spec.activation_group, ok), cache, timer, progress, report,
+                    dict(m=m, n=n, k=k), (lambda: baseline(x, w_bf16)) if baseline is not None else None)
+        del x, w, wq, ws, xq, xs, w_bf16
+    return cache
+
+
+def _tune_shape(what: str, key: str, run: Callable[[dict | None], torch.Tensor], configs: list[dict],
+                cache: TuneCache, timer: Callable, progress: Callable[[str], None] | None, report: list | None,
+                shape: dict, stock: Callable[[], object] | None) -> None:
+    """Time ``run(config)`` for every configuration against ``run(None)`` (the kernel's own launch), check
+    each gives the same bits, and keep the fastest in ``cache`` under ``key`` (nothing if the own launch
+    is the fastest). A configuration that fails to launch (e.g. out of shared memory) is counted, not kept."""
+    reference = run(None)
+    default_ms = timer(lambda: run(None))
+    best, best_ms, tried, skipped = None, default_ms, 0, 0
+    for config in configs:
+        try:
+            out = run(config)
+        except Exception as exc:          # e.g. out of resources for this tile: not a candidate here (counted)
+            log.debug("tune %s: %s failed to launch: %s", key, config, exc)
+            skipped += 1
+            continue
+        if not torch.equal(_bits(out), _bits(reference)):
+            raise HalError(f"tune: configuration {config} of the {what} gives other bits than the kernel's own: "
+                           f"launch choices must not change bits (a kernel bug; report it)")
+        ms = timer(lambda: run(config))
+        tried += 1
+        if ms < best_ms:
+            best, best_ms = config, ms
+    if best is not None:
+        cache.entries[key] = {"config": best, "ms": best_ms, "default_ms": default_ms, "candidates": tried,
+                              "skipped": skipped}
+    else:
+        cache.entries.pop(key, None)      # the kernel's own table is the fastest: nothing to override
+    stock_ms = timer(stock) if stock is not None else None
+    if report is not None:
+        report.append(dict(shape, key=key, default_ms=default_ms, best_ms=best_ms, config=best, candidates=tried,
+                           skipped=skipped, baseline_ms=stock_ms))
+    if progress:
+        stock_text = f", stock {stock_ms * 1e3:8.1f} us (ours {stock_ms / best_ms:.2f}x)" if stock_ms is not None else ""
+        progress(f"  {key:44} {tried:3} candidates ({skipped} did not launch), default {default_ms * 1e3:8.1f} us, "
+                 f"best {best_ms * 1e3:8.1f} us ({default_ms / best_ms:.2f}x){stock_text}")
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -176,3 +221,10 @@ def model_gemm_shapes(config, batches: Iterable[int]) -> tuple[list[tuple[int, i
                (c.vocab_size, c.hidden_size)]
     shapes = [(m, n, k) for m in batches for n, k in dict.fromkeys(weights)]
     return shapes, {(c.vocab_size, c.hidden_size): torch.float32}
+
+
+def model_fp8_shapes(config, batches: Iterable[int]) -> list[tuple[int, int, int]]:
+    """The block-FP8 linears of a ``hal.model.ModelConfig`` with ``fp8`` (QKV, O, gate-up, down; the logits
+    GEMM stays in the model dtype) at each batch size."""
+    shapes, out_dtypes = model_gemm_shapes(config, batches)
+    return [s for s in shapes if (s[1], s[2]) not in out_dtypes]
