@@ -10,6 +10,7 @@ Timing (CUDA events, median of repeats) of the whole MoE layer (route + experts)
 alone, against vLLM's fused-MoE Triton kernel (``fused_topk`` + ``fused_experts``) when vLLM imports.
 
     python3 bench/moe_gpu.py --json moe_gpu.json [--tokens 1,8,64,512,2048,8192] [--model] [--sweep]
+                             [--kernels 1,512,8192]     # device time per kernel (torch.profiler)
 """
 
 from __future__ import annotations
@@ -197,7 +198,8 @@ SWEEP = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st, tm
          for tma in (False, True)
          for bm, bn, bk, w, st in [(16, 64, 128, 4, 3), (16, 128, 128, 4, 3), (16, 256, 64, 8, 2), (32, 128, 128, 4, 3),
                                    (32, 256, 64, 8, 3), (64, 128, 64, 4, 3), (64, 256, 64, 8, 3), (128, 128, 64, 8, 3),
-                                   (128, 256, 64, 8, 3)]]
+                                   (128, 256, 64, 8, 3), (64, 128, 128, 4, 4), (64, 128, 64, 4, 5),
+                                   (64, 256, 128, 8, 2), (128, 128, 128, 8, 3), (128, 256, 64, 8, 4)]]
 
 
 def sweep(cuda, tokens, shape):
@@ -230,6 +232,49 @@ def sweep(cuda, tokens, shape):
                "default_us": timed(lambda: run(default), repeats=10), "best": json.loads(best), "best_us": times[best]}
         print(json.dumps(row), flush=True)
         rows.append(row)
+    return rows
+
+
+def kernel_breakdown(cuda, tokens, shape, repeats=10):
+    """Device time per kernel of one layer call (ours, and vLLM's fused MoE when it imports), from
+    torch.profiler over ``repeats`` calls: where a layer's time goes, the profile behind a speed miss."""
+    from torch.profiler import ProfilerActivity, profile
+
+    routing = routing_of(shape)
+    w = layer(shape)
+    vllm = vllm_moe()
+    rows = []
+    for t in tokens:
+        x = torch.randn(t, shape["hidden"], generator=torch.Generator().manual_seed(t)).to(torch.bfloat16).cuda()
+        layers = {"hal": lambda: run_layer(cuda, x, w, routing)}
+        if vllm is not None:
+            fused_topk, fused_experts = vllm
+
+            def vllm_layer():
+                tw, ti, _ = fused_topk(x, torch.nn.functional.linear(x, w["router"]), shape["top_k"], True)
+                return fused_experts(x, w["w13"], w["w2"], tw, ti)
+            layers["vllm"] = vllm_layer
+        for name, fn in layers.items():
+            try:
+                fn()
+                torch.cuda.synchronize()
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    for _ in range(repeats):
+                        fn()
+                    torch.cuda.synchronize()
+            except Exception as exc:  # noqa: BLE001 - vLLM without its MoE ops: say so, go on
+                print(f"  T={t} {name}: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
+                continue
+            kernels = {}
+            for event in prof.key_averages():
+                device_us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
+                if device_us > 0 and event.count >= repeats:
+                    kernels[event.key[:90]] = dict(us_per_call=device_us / repeats, launches=event.count // repeats)
+            total = sum(k["us_per_call"] for k in kernels.values())
+            rows.append(dict(tokens=t, engine=name, device_us=total, kernels=kernels))
+            print(f"T={t:>5} {name:>5}: {total:9.1f} us device time per layer call", flush=True)
+            for key, k in sorted(kernels.items(), key=lambda kv: -kv[1]["us_per_call"])[:8]:
+                print(f"        {k['us_per_call']:9.1f} us  x{k['launches']:<3} {key}", flush=True)
     return rows
 
 
@@ -268,6 +313,7 @@ def main(argv=None):
     parser.add_argument("--model", action="store_true", help="also train == rollout on a Qwen3-30B-A3B-shaped model")
     parser.add_argument("--no-checks", action="store_true")
     parser.add_argument("--sweep", action="store_true", help="grouped-GEMM launch configurations: same bits? fastest?")
+    parser.add_argument("--kernels", default="", help="token counts at which to profile the device time per kernel")
     args = parser.parse_args(argv)
     cuda = create_backend("cuda", "bf16-moe-v1")
     ref = create_backend("reference", "bf16-moe-v1", device="cuda")
@@ -281,6 +327,8 @@ def main(argv=None):
         best = {row["tokens"]: row["best"] for row in report["sweep_qwen3_30b_a3b"]}
     if args.tokens:
         report["timing_qwen3_30b_a3b"] = timing(cuda, [int(t) for t in args.tokens.split(",")], QWEN3_30B, best)
+    if args.kernels:
+        report["kernels_qwen3_30b_a3b"] = kernel_breakdown(cuda, [int(t) for t in args.kernels.split(",")], QWEN3_30B)
     if args.model:
         report["model"] = model_check()
     with open(args.json, "w") as f:
