@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (the `device` tool), from the repository root:
 #   bash bench/h200.sh STEP...     steps: equal tile kit-quick kit-full negative model prefill bench sweep profile digest
-#                                  host family fp8 vllm-part vllm grpo
+#                                  host family fp8 moe vllm-part vllm grpo
 #                                  (default: equal tile kit-quick negative model bench)
 # Installs this checkout (and the carried stevedore wheel in .whl/) into /tmp/site, then runs
 # from outside the checkout so that the installed package (with hal.backends.cuda) is imported.
@@ -24,6 +24,8 @@
 #   FAMILY_ARGS    family_sweep.py's arguments for `family` (default "--budget-s 300"); with the vLLM bundle
 #                  unpacked (a `vllm` or `grpo` step before it, or the parts carried) decode is also timed
 #                  against vLLM's FlashAttention-3
+#   MOE_ARGS       moe_gpu.py's arguments for `moe` (default "--no-checks --sweep --kernels 1,64,2048,8192");
+#                  vLLM's fused MoE is timed beside ours when the bundle (built with KEEP_MOE=1) is unpacked
 #   FP8_ARGS       fp8_gpu.py's arguments for `fp8` (default "--quick"); FP8_TAG names its files; with the vLLM
 #                  bundle unpacked its block-FP8 GEMMs are timed beside ours; HAL_TUNE_CACHE (tune section's
 #                  --tune-cache) is where its tuning cache goes / is read
@@ -121,6 +123,10 @@ for step in $steps; do
            --json "$out/fp8_gpu_$tag.json" > "$out/fp8_gpu_$tag.log" 2>&1 || status=1
          cp "${HAL_TUNE_CACHE:-/tmp/fp8_tune.json}" "$out/" 2>/dev/null
          grep -vE '^\[' "$out/fp8_gpu_$tag.log" | tail -n 60 ;;
+    moe) [ -d /tmp/vllm-parts ] && { vllm_env || true; }
+         python3 "$repo/bench/moe_gpu.py" ${MOE_ARGS:---no-checks --sweep --kernels 1,64,2048,8192} \
+           --json "$out/moe_gpu.json" > "$out/moe_gpu.log" 2>&1 || status=1
+         grep -vE '^\{' "$out/moe_gpu.log" | tail -n 60 ;;
     digest) python3 "$repo/bench/digest_gpu.py" --json "$out/digest_gpu.json" > "$out/digest_gpu.log" 2>&1 || status=1
             tail -n 20 "$out/digest_gpu.log" ;;
     grpo) # the GPU recipe (recipes/grpo-h200.yaml) with GPU vLLM rollouts; GRPO_ARGS: recipe overrides
