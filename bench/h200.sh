@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (the `device` tool), from the repository root:
 #   bash bench/h200.sh STEP...     steps: equal tile kit-quick kit-full negative model prefill bench sweep profile digest
-#                                  host family fp8 moe vllm-part vllm grpo
+#                                  host family fp8 moe vllm-part vllm vllm-moe grpo
 #                                  (default: equal tile kit-quick negative model bench)
 # Installs this checkout (and the carried stevedore wheel in .whl/) into /tmp/site, then runs
 # from outside the checkout so that the installed package (with hal.backends.cuda) is imported.
@@ -111,6 +111,11 @@ for step in $steps; do
             > "$out/vllm_gpu_$tag.log" 2>&1 || status=1
           (cd "$work" && tar czf "$out/vllm_engine_logs_$tag.tgz" *.log $(ls *.profile.txt 2>/dev/null))
           tail -n 40 "$out/vllm_gpu_$tag.log" ;;
+    vllm-moe) # vLLM's fused-MoE op library, which the two-part bundle leaves out: .vllm-moe/moe_C.so.xz (+ SHA256SUMS),
+              # carried in a third call after the two parts (extracted from a KEEP_MOE=1 bundle, xz -9e)
+              vllm_env || { status=1; continue; }
+              (cd "$repo/.vllm-moe" && sha256sum -c SHA256SUMS) \
+                && xz -d -c "$repo/.vllm-moe/moe_C.so.xz" > /tmp/site/vllm/_moe_C_stable_libtorch.abi3.so || status=1 ;;
     host) python3 "$repo/bench/host_overhead.py" ${HOST_ARGS:-} --json "$out/host_overhead.json" > "$out/host_overhead.log" 2>&1 || status=1
           grep -vE '^ +[0-9]' "$out/host_overhead.log" | tail -n 30 ;;
     family) [ -d /tmp/vllm-parts ] && { vllm_env || true; }
