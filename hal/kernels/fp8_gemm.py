@@ -195,25 +195,31 @@ def _config(m: int, n: int) -> dict:
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) worth timing on Hopper. A stage holds (BLOCK_M + BLOCK_N) x 128
-# fp8 bytes (one K block of each operand).
-_TILES = [(64, 64, 4, 4), (64, 128, 4, 4), (64, 128, 4, 6), (64, 256, 4, 3),
-          (128, 64, 4, 4), (128, 128, 4, 4), (128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3)]
+# fp8 bytes (one K block of each operand). The first H200 tuning (bench/results/h200-2026-12-03-session14)
+# picked one-warpgroup tiles with a few stages everywhere (two or three programs per SM hide each block's
+# MMA wait behind another's), so that corner is sampled densely; 32-wide tiles give a weight-read-bound
+# small M more programs than the 132 SMs.
+_TILES = [(64, 32, 4, 4), (64, 32, 4, 6), (64, 64, 4, 3), (64, 64, 4, 4), (64, 64, 4, 6), (64, 128, 4, 2),
+          (64, 128, 4, 3), (64, 128, 4, 4), (64, 128, 4, 6), (64, 256, 4, 3),
+          (128, 64, 4, 3), (128, 64, 4, 4), (128, 128, 4, 3), (128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3)]
 _SHARED_BYTES = 200 * 1024   # of the H200's 227 KB per block, room left for the layout conversions
 _PAIR_ACC_PER_THREAD = 64    # fp32 accumulator values per thread up to which PAIR's two extra tiles fit
 
 
 def candidates(m: int, n: int, k: int, group: int, tma_ok: bool, tiles=None) -> list[dict]:
-    """Every contract-preserving launch configuration worth timing for an (m, n, k) FP8 GEMM: the tiles of
-    ``_TILES`` whose BLOCK_M is not above M (rounded up to a power of two, at least 64) and that fit in shared memory, each by pointer and (where
-    the tensors allow it) by descriptor, with one or two K blocks per step (PAIR, where the registers allow
-    it and K has two blocks). None of these choices changes a bit (tests/test_cuda_fp8.py under the
-    interpreter, bench/fp8_gpu.py's tiles section on the GPU over this same list)."""
+    """Every contract-preserving launch configuration worth timing for an (m, n, k) FP8 GEMM: the tiles
+    of ``_TILES`` whose BLOCK_M is not above M (rounded up to a power of two, at least 64) and that fit
+    in shared memory; each by pointer and, above 64 rows where the tensors allow it, by descriptor (two
+    descriptors cost ~25 us of host time a call, more than they save of a small M's device time); with
+    one or two K blocks per step (PAIR, where the registers allow it and K has two blocks). None of
+    these choices changes a bit (tests/test_cuda_fp8.py under the interpreter, bench/fp8_gpu.py's tiles
+    section on the GPU over this same list)."""
     out = []
     for bm, bn, warps, stages in (_TILES if tiles is None else tiles):
         if bm > max(64, 1 << max(0, (m - 1).bit_length())) or (bm + bn) * group * stages > _SHARED_BYTES:
             continue
         pairs = (False, True) if bm * bn <= _PAIR_ACC_PER_THREAD * warps * 32 and k >= 2 * group else (False,)
-        for tma in ((False, True) if tma_ok else (False,)):
+        for tma in ((False, True) if tma_ok and m > 64 else (False,)):
             for pair in pairs:
                 out.append(dict(BLOCK_M=bm, BLOCK_N=bn, GROUP_M=8 if m > 64 else 1, num_warps=warps,
                                 num_stages=stages, tma=tma, pair=pair))
