@@ -825,3 +825,18 @@ def test_weights_packed_for_another_process_come_back_with_the_same_bytes():
     for (_, a), (_, b) in zip(weights, back):
         assert a.dtype == b.dtype and a.shape == b.shape
         assert torch.equal(a.contiguous().view(torch.uint8), b.view(torch.uint8))
+
+
+def test_moe_router_is_recognised_as_vllm_0_26_names_it():
+    """vLLM 0.26's Qwen3-MoE / DeepSeek blocks hand their FusedMoE a ``ReplicatedLinear`` named ``<block>.gate``
+    (newer vLLM: a ``GateLinear``): both get the fp32 router method; a dense MLP's ``gate_proj`` and a
+    ReplicatedLinear under another name do not (negative control)."""
+    from vllm.model_executor.layers.linear import ReplicatedLinear
+
+    from hal.vllm.quant import _is_moe_router
+
+    layer = object.__new__(ReplicatedLinear)     # the class is what is checked; no weights needed
+    assert _is_moe_router(layer, "model.layers.3.mlp.gate")
+    assert not _is_moe_router(layer, "model.layers.3.mlp.gate_proj")
+    assert not _is_moe_router(layer, "model.layers.3.mlp.shared_expert_gate")
+    assert not _is_moe_router(torch.nn.Linear(2, 2), "model.layers.3.mlp.gate")

@@ -23,7 +23,7 @@ import torch
 
 from vllm.config import get_current_vllm_config
 from vllm.model_executor.layers.attention import Attention
-from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase, UnquantizedLinearMethod
+from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase, ReplicatedLinear, UnquantizedLinearMethod
 from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 from vllm.model_executor.layers.vocab_parallel_embedding import (
@@ -138,7 +138,7 @@ class HalConfig(QuantizationConfig):
             # as in the trainer), and a tied model's logits come from it (vLLM 0.26's Qwen3 makes the
             # embedding its lm_head when tie_word_embeddings is set, so its apply is the logits GEMM).
             return HalLMHeadMethod(self)
-        if _is_moe_router(layer):
+        if _is_moe_router(layer, prefix):
             return HalRouterMethod(self)
         if isinstance(layer, LinearBase):
             # A block-FP8 checkpoint's linears are all FP8 (hal.model: every attention and dense-MLP
@@ -310,12 +310,17 @@ class HalRouterMethod(_HalGemm, LinearMethodBase):
         return torch.ops.hal.linear(self.config.op_key, x, layer.weight, bias, True)
 
 
-def _is_moe_router(layer: torch.nn.Module) -> bool:
+def _is_moe_router(layer: torch.nn.Module, prefix: str = "") -> bool:
+    """vLLM's router layer: a ``GateLinear`` (vLLM >= 0.30's MoE models), or the ``ReplicatedLinear`` named
+    ``<block>.gate`` that vLLM 0.26's MoE blocks (Qwen3-MoE, DeepSeek) hand their FusedMoE as its gate. A
+    dense MLP's projections are ``gate_proj`` / ``gate_up_proj``, never ``.gate``."""
     try:
         from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
-    except ImportError:          # a vLLM without this layer has no router to route
-        return False
-    return isinstance(layer, GateLinear)
+    except ImportError:          # a vLLM without the class: its routers are ReplicatedLinear
+        GateLinear = None
+    if GateLinear is not None and isinstance(layer, GateLinear):
+        return True
+    return isinstance(layer, ReplicatedLinear) and prefix.endswith(".gate")
 
 
 def _is_moe_experts(layer: torch.nn.Module) -> bool:
