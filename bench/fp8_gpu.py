@@ -27,7 +27,8 @@ calls the kernel module directly. Sections (``--only``), each with a printed tab
             in a tuning cache (--tune-cache) that the speed section then reads.
   speed     (GPU only, not with --small) median times by ``triton.testing.do_bench`` (CUDA events per call,
             L2 flushed between calls) of our linear (quantisation + GEMM) and our GEMM (tuned, and the
-            kernel's own launch), cuBLAS bf16 (``F.linear``), ``torch._scaled_mm`` (rowwise, tensorwise, blockwise 1x128/128x128 scales), and,
+            kernel's own launch), cuBLAS bf16 (``F.linear``), ``torch._scaled_mm`` (rowwise, tensorwise,
+            blockwise 1x128/128x128 scales), and,
             if vLLM imports (the GPU bundle in /tmp/site on PYTHONPATH, with bench/h200.sh's LD_LIBRARY_PATH
             for its _C_stable_libtorch ops), its Triton block-FP8 GEMM (with and without its per-token-group
             quantiser) and its CUTLASS block-FP8 GEMM; DeepSeek-V3-like (N, K) at M = 1..8192. Each
@@ -547,7 +548,8 @@ def comparators(x, w, vllm):
     return fns
 
 
-SPEED_COLUMNS = ["ours_linear", "ours_gemm", "ours_own_gemm", "cublas_bf16", "scaled_mm_rowwise", "scaled_mm_tensorwise",
+SPEED_COLUMNS = ["ours_linear", "ours_gemm", "ours_own_gemm", "cublas_bf16", "scaled_mm_rowwise",
+                 "scaled_mm_tensorwise",
                  "scaled_mm_blockwise", "vllm_triton_gemm", "vllm_triton_linear", "vllm_cutlass_gemm"]
 
 

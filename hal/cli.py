@@ -280,7 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="show the train/rollout mismatch of stock kernels and its fix, on this machine")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_demo)
-    p = sub.add_parser("tune", help="time the GEMM launch choices (bf16 or block-FP8) for a model's linears on this GPU (cuda backend)")
+    p = sub.add_parser("tune", help="time the GEMM launch choices (bf16 or block-FP8) for a model's linears on "
+                                    "this GPU (cuda backend)")
     p.add_argument("--model", required=True, help="a Hugging Face config.json, or a checkpoint directory holding one")
     p.add_argument("--batch", default=DEFAULT_TUNE_BATCHES, help="tokens per call to tune for, comma-separated")
     p.add_argument("--contract", help="contract name or .toml path (default: the backend's first)")

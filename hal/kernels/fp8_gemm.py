@@ -15,9 +15,9 @@ Reduction structure (contract [fp8], read from ``activation_group``; see hal/fp8
 
 Tiling (BLOCK_M, BLOCK_N, warps, stages), descriptor (TMA) or pointer loads, and one or two K blocks
 per loop step (PAIR) are free: every launch walks the same blocks and adds them in the same order.
-``candidates`` lists them; the tuner (hal/kernels/tuning.py) picks by timing. BLOCK_K is G, so one ``tl.dot`` is one K block: splitting a
-block into two dots would change the order inside it, which the contract leaves to the backend but
-which must then be fixed.
+``candidates`` lists them; the tuner (hal/kernels/tuning.py) picks by timing. BLOCK_K is G, so one
+``tl.dot`` is one K block: splitting a block into two dots would change the order inside it, which the
+contract leaves to the backend but which must then be fixed.
 Under the interpreter the fp8 tiles are upcast to fp64 before the dot, and the partial rounded once to
 fp32. That is exact, not an approximation: an e4m3 product is a multiple of 2**-18 below 2**18, so a
 block's sum of 128 of them is a multiple of 2**-18 below 2**25, which fp64 holds exactly in every
@@ -184,14 +184,17 @@ def quantise_activations(x: torch.Tensor, spec: Fp8) -> tuple[torch.Tensor, torc
 
 
 def _config(m: int, n: int) -> dict:
-    """The kernel's own tiles per shape: free (they do not change the bits); a tuning cache of the device
-    (``hal tune``, hal/kernels/tuning.py) replaces them per shape class. Hopper's FP8 wgmma needs
-    BLOCK_M >= 64; the interpreter takes small tiles so that N and M edges are crossed."""
+    """The kernel's own launch per shape: free (it does not change the bits); a tuning cache of the device
+    (``hal tune``, hal/kernels/tuning.py) replaces it per shape class. These are what the H200 tuning chose
+    in 12 of 12 DeepSeek-V3-like shapes (bench/results/h200-2026-12-03-session14: 64 x 32 tiles, two K
+    blocks a step at M <= 64; 64 x 128 by descriptor, 3-4 stages, above), 1.1-1.8x faster there than
+    the table before. Hopper's FP8 wgmma needs BLOCK_M >= 64; the interpreter takes small tiles so that N
+    and M edges are crossed."""
     if INTERPRET:
         return dict(BLOCK_M=16, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=1, tma=False, pair=False)
     if m <= 64:
-        return dict(BLOCK_M=64, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=4, tma=False, pair=False)
-    return dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3, tma=False, pair=False)
+        return dict(BLOCK_M=64, BLOCK_N=32, GROUP_M=1, num_warps=4, num_stages=4, tma=False, pair=True)
+    return dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=3, tma=True, pair=False)
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) worth timing on Hopper. A stage holds (BLOCK_M + BLOCK_N) x 128

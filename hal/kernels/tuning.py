@@ -202,7 +202,8 @@ def _tune_shape(what: str, key: str, run: Callable[[dict | None], torch.Tensor],
         report.append(dict(shape, key=key, default_ms=default_ms, best_ms=best_ms, config=best, candidates=tried,
                            skipped=skipped, baseline_ms=stock_ms))
     if progress:
-        stock_text = f", stock {stock_ms * 1e3:8.1f} us (ours {stock_ms / best_ms:.2f}x)" if stock_ms is not None else ""
+        stock_text = (f", stock {stock_ms * 1e3:8.1f} us (ours {stock_ms / best_ms:.2f}x)"
+                      if stock_ms is not None else "")
         progress(f"  {key:44} {tried:3} candidates ({skipped} did not launch), default {default_ms * 1e3:8.1f} us, "
                  f"best {best_ms * 1e3:8.1f} us ({default_ms / best_ms:.2f}x){stock_text}")
 
