@@ -131,6 +131,7 @@ for step in $steps; do
     moe) [ -d /tmp/vllm-parts ] && { vllm_env || true; }
          python3 "$repo/bench/moe_gpu.py" ${MOE_ARGS:---no-checks --sweep --kernels 1,64,2048,8192} \
            --json "$out/moe_gpu.json" > "$out/moe_gpu.log" 2>&1 || status=1
+         cp "$out/moe_gpu.json" /tmp/moe_gpu_last.json 2>/dev/null   # for a later call's --best-from
          grep -vE '^\{' "$out/moe_gpu.log" | tail -n 60 ;;
     digest) python3 "$repo/bench/digest_gpu.py" --json "$out/digest_gpu.json" > "$out/digest_gpu.log" 2>&1 || status=1
             tail -n 20 "$out/digest_gpu.log" ;;

@@ -47,14 +47,14 @@ def routing_of(shape):
 
 
 def run_layer(backend, x, w, routing, cfg=None):
-    """The whole layer: router GEMM, routing, experts (``cfg``: a grouped-GEMM launch instead of the default)."""
+    """The whole layer: router GEMM, routing, experts (``cfg``: {"config": the down GEMM's launch,
+    "gate_up_config": the gate/up one} instead of the defaults)."""
     logits = backend.linear(x, w["router"], out_dtype=torch.float32)
     weights, ids = backend.moe_route(logits, routing, w["bias"] if routing.scoring == "sigmoid" else None)
     if cfg is None:
         return backend.moe_experts(x, w["w13"], w["w2"], weights, ids), weights, ids
     from hal.kernels import moe as kernels
-    return kernels.experts(x, w["w13"], w["w2"], weights, ids, None, backend.contract.gemm, backend.silu_mul,
-                           cfg), weights, ids
+    return kernels.experts(x, w["w13"], w["w2"], weights, ids, None, backend.contract.gemm, **cfg), weights, ids
 
 
 def timed(fn, repeats=20):
@@ -194,43 +194,114 @@ def timing(cuda, tokens, shape, best=None):
     return rows
 
 
-SWEEP = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st, tma=tma)
-         for tma in (False, True)
-         for bm, bn, bk, w, st in [(16, 64, 128, 4, 3), (16, 128, 128, 4, 3), (16, 256, 64, 8, 2), (32, 128, 128, 4, 3),
-                                   (32, 256, 64, 8, 3), (64, 128, 64, 4, 3), (64, 256, 64, 8, 3), (128, 128, 64, 8, 3),
-                                   (128, 256, 64, 8, 3), (64, 128, 128, 4, 4), (64, 128, 64, 4, 5),
-                                   (64, 256, 128, 8, 2), (128, 128, 128, 8, 3), (128, 256, 64, 8, 4)]]
+def _launches(bm, widths):
+    """Launch configurations of one grouped GEMM at tile rows ``bm`` (free: the bits do not depend on them)."""
+    out = []
+    for bn in widths:
+        for bk in (64, 128):
+            for stages in (3, 4):
+                for tma in (False, True):
+                    warps = 8 if bm * bn >= 128 * 128 else 4
+                    out.append(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, tma=tma))
+    return out
+
+
+#: per tile-row count: the gate/up GEMM's column widths (each column reduces a gate and an up row, so
+#: 128 here is the MMA work of a 256-wide tile) and the down GEMM's
+SWEEP_WIDTHS = {16: ((32, 64, 128), (64, 128, 256)), 32: ((64, 128), (128, 256)), 64: ((64, 128), (128, 256)),
+                128: ((64, 128), (128, 256))}
 
 
 def sweep(cuda, tokens, shape):
-    """Every grouped-GEMM launch configuration of SWEEP on the same inputs: the bits must be identical
-    (tile freedom of the grouped kernel); the time of each, and the default's, per token count."""
+    """Every launch of the gate/up (gated) and the down grouped GEMM, timed apart (CUDA events), for each
+    tile-row count: the bits of every slot must be identical across all of them (tile freedom). Then,
+    with the fastest pair, where the time goes (not the contract unless said): the unfused gate/up GEMM +
+    the silu_mul row kernel (what the gated epilogue replaced); the same launches with one K chunk
+    (k_chunk = K: the cost of the contract's chunk sums); the dense GEMM kernel and cuBLAS on as many
+    rows as there are slots (the cost of the gather and the expert tiles)."""
+    import dataclasses
+
     from hal.kernels import moe as kernels
 
+    spec = cuda.contract.gemm
     routing = routing_of(shape)
     w = layer(shape)
+    e, i, h = shape["experts"], shape["inter"], shape["hidden"]
     rows = []
     for t in tokens:
-        x = torch.randn(t, shape["hidden"], generator=torch.Generator().manual_seed(t)).to(torch.bfloat16).cuda()
+        x = torch.randn(t, h, generator=torch.Generator().manual_seed(t)).to(torch.bfloat16).cuda()
         weights, ids = cuda.moe_route(cuda.linear(x, w["router"], out_dtype=torch.float32), routing)
-
-        def run(cfg):
-            return kernels.experts(x, w["w13"], w["w2"], weights, ids, None, cuda.contract.gemm, cuda.silu_mul, cfg)
-        default = kernels.grouped_config(t * shape["top_k"], shape["experts"])
-        first = run(default)
-        times, identical = {}, 0
-        for cfg in SWEEP:
-            try:
-                out = run(cfg)
-            except Exception as exc:  # noqa: BLE001 - out of resources: not a candidate here
-                print(f"  T={t} {cfg}: {type(exc).__name__}", flush=True)
+        first_act = first_down = None
+        times, identical, failed, per_bm = 0, 0, [], {}
+        for bm, (gate_widths, down_widths) in SWEEP_WIDTHS.items():
+            slots = kernels.sort_slots(ids, e, bm)
+            gate_times, down_times = {}, {}
+            for cfg in _launches(bm, gate_widths):
+                try:
+                    act = kernels.grouped_linear(x, w["w13"], slots.token, slots, x.dtype, spec, cfg, gated=True)
+                    per_slot = act[slots.position]
+                    first_act = per_slot if first_act is None else first_act
+                    identical += bool(torch.equal(per_slot, first_act))
+                    gate_times[json.dumps(cfg)] = timed(lambda: kernels.grouped_linear(
+                        x, w["w13"], slots.token, slots, x.dtype, spec, cfg, gated=True), repeats=10)
+                    times += 1
+                except Exception as exc:  # noqa: BLE001 - out of resources: not a candidate here
+                    failed.append(f"gate {cfg}: {type(exc).__name__}")
+            if not gate_times:
                 continue
-            identical += bool(torch.equal(out, first))
-            times[json.dumps(cfg)] = timed(lambda: run(cfg), repeats=10)
-        best = min(times, key=times.get)
-        row = {"tokens": t, "candidates": len(times), "identical": identical, "default": default,
-               "default_us": timed(lambda: run(default), repeats=10), "best": json.loads(best), "best_us": times[best]}
+            best_gate = json.loads(min(gate_times, key=gate_times.get))
+            act = kernels.grouped_linear(x, w["w13"], slots.token, slots, x.dtype, spec, best_gate, gated=True)
+            for cfg in _launches(bm, down_widths):
+                try:
+                    down = kernels.grouped_linear(act, w["w2"], slots.token, slots, torch.float32, spec, cfg,
+                                                  x_sorted=True)
+                    per_slot = down[slots.position]
+                    first_down = per_slot if first_down is None else first_down
+                    identical += bool(torch.equal(per_slot, first_down))
+                    down_times[json.dumps(cfg)] = timed(lambda: kernels.grouped_linear(
+                        act, w["w2"], slots.token, slots, torch.float32, spec, cfg, x_sorted=True), repeats=10)
+                    times += 1
+                except Exception as exc:  # noqa: BLE001
+                    failed.append(f"down {cfg}: {type(exc).__name__}")
+            if down_times:
+                best_down = min(down_times, key=down_times.get)
+                per_bm[bm] = dict(gate=best_gate, gate_us=min(gate_times.values()), down=json.loads(best_down),
+                                  down_us=down_times[best_down], sort_us=timed(lambda: kernels.sort_slots(ids, e, bm)))
+        bm = min(per_bm, key=lambda b: per_bm[b]["gate_us"] + per_bm[b]["down_us"])
+        best = per_bm[bm]
+        slots = kernels.sort_slots(ids, e, bm)
+        gate, down_cfg = best["gate"], best["down"]
+        act = kernels.grouped_linear(x, w["w13"], slots.token, slots, x.dtype, spec, gate, gated=True)
+        wide = dict(gate, BLOCK_N=2 * gate["BLOCK_N"])
+        gate_up = kernels.grouped_linear(x, w["w13"], slots.token, slots, x.dtype, spec, wide)
+        one_chunk = dataclasses.replace(spec, k_chunk=1 << 20)
+        valid = t * shape["top_k"]
+        xs, acts = torch.randn(valid, h, device="cuda").to(x.dtype), torch.randn(valid, i, device="cuda").to(x.dtype)
+        w13_0, w2_0 = w["w13"][0].contiguous(), w["w2"][0].contiguous()
+        diagnosis = {
+            "unfused_gate_up_us": timed(lambda: kernels.grouped_linear(x, w["w13"], slots.token, slots, x.dtype,
+                                                                       spec, wide)),
+            "silu_mul_us": timed(lambda: cuda.silu_mul(gate_up)),
+            "unfused_bits_equal": bool(torch.equal(cuda.silu_mul(gate_up)[slots.position], act[slots.position])),
+            "one_chunk_gate_us": timed(lambda: kernels.grouped_linear(x, w["w13"], slots.token, slots, x.dtype,
+                                                                      one_chunk, gate, gated=True)),
+            "one_chunk_down_us": timed(lambda: kernels.grouped_linear(act, w["w2"], slots.token, slots, torch.float32,
+                                                                      one_chunk, down_cfg, x_sorted=True)),
+            "dense_gate_up_us": timed(lambda: cuda.linear(xs, w13_0)),
+            "dense_down_fp32_us": timed(lambda: cuda.linear(acts, w2_0, out_dtype=torch.float32)),
+            "cublas_gate_up_us": timed(lambda: torch.mm(xs, w13_0.T)),
+            "cublas_down_us": timed(lambda: torch.mm(acts, w2_0.T)),
+        }
+        row = {"tokens": t, "candidates": times, "identical": identical, "failed": failed, "per_block_m": per_bm,
+               "best": {"config": down_cfg, "gate_up_config": gate}, "best_us": best["gate_us"] + best["down_us"],
+               "default": kernels.grouped_config(valid, e), "diagnosis": diagnosis}
         print(json.dumps(row), flush=True)
+        print(f"  T={t}: gate/up {best['gate_us']:.1f} us + down {best['down_us']:.1f} us at {bm} tile rows "
+              f"(sort {best['sort_us']:.1f} us); unfused gate/up {diagnosis['unfused_gate_up_us']:.1f} + silu_mul "
+              f"{diagnosis['silu_mul_us']:.1f}; one K chunk: {diagnosis['one_chunk_gate_us']:.1f} + "
+              f"{diagnosis['one_chunk_down_us']:.1f}; dense GEMM on {valid} rows: {diagnosis['dense_gate_up_us']:.1f} + "
+              f"{diagnosis['dense_down_fp32_us']:.1f}; cuBLAS {diagnosis['cublas_gate_up_us']:.1f} + "
+              f"{diagnosis['cublas_down_us']:.1f}", flush=True)
         rows.append(row)
     return rows
 
@@ -314,6 +385,8 @@ def main(argv=None):
     parser.add_argument("--no-checks", action="store_true")
     parser.add_argument("--sweep", action="store_true", help="grouped-GEMM launch configurations: same bits? fastest?")
     parser.add_argument("--kernels", default="", help="token counts at which to profile the device time per kernel")
+    parser.add_argument("--best-from", default="", help="a JSON of an earlier --sweep run: time its fastest launches "
+                                                        "beside the defaults (same bits: that sweep checked)")
     args = parser.parse_args(argv)
     cuda = create_backend("cuda", "bf16-moe-v1")
     ref = create_backend("reference", "bf16-moe-v1", device="cuda")
@@ -325,6 +398,9 @@ def main(argv=None):
         report["sweep_qwen3_30b_a3b"] = sweep(cuda, [int(t) for t in (args.tokens or "1,64,512,2048,8192").split(",")],
                                               QWEN3_30B)
         best = {row["tokens"]: row["best"] for row in report["sweep_qwen3_30b_a3b"]}
+    elif args.best_from:
+        with open(args.best_from) as f:
+            best = {row["tokens"]: row["best"] for row in json.load(f).get("sweep_qwen3_30b_a3b", [])}
     if args.tokens:
         report["timing_qwen3_30b_a3b"] = timing(cuda, [int(t) for t in args.tokens.split(",")], QWEN3_30B, best)
     if args.kernels:

@@ -59,6 +59,13 @@ SHAPES = {  # random-weight models shaped like these (issue #19); tiny: a quick 
                        num_layers=3, num_heads=32, num_kv_heads=4, head_dim=128, qk_norm=True, num_experts=128,
                        num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True),
 }
+CONTRACTS = {"qwen3_moe": "bf16-moe-v1"}   # the contract a shape's model needs (MoE layers: one with [moe]); else the default
+
+
+def contract_for(model_dir: Path) -> str | None:
+    return json.loads((model_dir / "bench_meta.json").read_text()).get("contract")
+
+
 ENGINES = ("hal", "hal-eager", "hal-async", "stock", "batch-invariant")
 PROMPT_CHECK_REQUESTS = 16     # requests a HAL-bound engine serves again: with prompt logprobs, then from its prefix cache
 GPU_MEMORY_UTILIZATION = 0.6   # every engine: leaves room for the trainer model in the same process
@@ -83,7 +90,7 @@ def run_engine(args) -> None:
     config = json.loads((model_dir / "bench_meta.json").read_text())
     reqs = requests(args.requests, args.new_tokens, config["vocab_size"])
     hal_bound = args.engine.startswith("hal")
-    binding = resolve_binding({"backend": "cuda"}) if hal_bound else None
+    binding = resolve_binding({"backend": "cuda", "contract": config.get("contract")}) if hal_bound else None
     t0 = time.perf_counter()
     engine = VllmEngine(model_dir, binding=binding, dtype="bfloat16", max_model_len=1024,
                         max_num_seqs=args.requests, max_num_batched_tokens=8192,
@@ -332,7 +339,7 @@ def synced_trainer(model_dir: Path):
     from hal.api import create_backend
     from hal.model.checkpoint import load_pretrained
 
-    trainer = load_pretrained(model_dir, backend=create_backend("cuda"), device="cuda")
+    trainer = load_pretrained(model_dir, backend=create_backend("cuda", contract_for(model_dir)), device="cuda")
     with torch.no_grad():
         for p in trainer.parameters():
             p.mul_(SYNC_SCALE)
@@ -347,8 +354,9 @@ def make_checkpoint(shape: str, model_dir: Path) -> None:
 
     config = ModelConfig(dtype="bfloat16", **SHAPES[shape])
     print(f"writing a random {shape}-shaped checkpoint to {model_dir}", flush=True)
-    save_pretrained(DecoderLM.random(config, seed=1, backend=create_backend("reference")), model_dir)
-    (model_dir / "bench_meta.json").write_text(json.dumps({"vocab_size": config.vocab_size}))
+    contract = CONTRACTS.get(config.architecture)
+    save_pretrained(DecoderLM.random(config, seed=1, backend=create_backend("reference", contract)), model_dir)
+    (model_dir / "bench_meta.json").write_text(json.dumps({"vocab_size": config.vocab_size, "contract": contract}))
 
 
 def trainer_logprobs(trainer, sequences, starts, batch: int = 16) -> list[torch.Tensor]:
@@ -418,7 +426,8 @@ def main(argv=None) -> int:
 
     work = Path(args.workdir)
     model_dir = work / f"model-{args.shape}"
-    if not (model_dir / "bench_meta.json").exists():
+    meta = model_dir / "bench_meta.json"
+    if not meta.exists() or "contract" not in json.loads(meta.read_text()):   # (older checkpoints lack the contract)
         make_checkpoint(args.shape, model_dir)
     vocab = json.loads((model_dir / "bench_meta.json").read_text())["vocab_size"]
 
@@ -446,7 +455,7 @@ def main(argv=None) -> int:
             print(f"{name}: FAILED (rc {rc}); last lines:\n" + "\n".join(tail[-40:]), flush=True)
         results[name] = r
 
-    trainer = load_pretrained(model_dir, backend=create_backend("cuda"), device="cuda")
+    trainer = load_pretrained(model_dir, backend=create_backend("cuda", contract_for(model_dir)), device="cuda")
     reqs = requests(args.requests, args.new_tokens, vocab)
     rows = []
     for name, r in results.items():

@@ -331,6 +331,40 @@ def test_cuda_grouped_expert_gemm_gives_each_slot_the_dense_gemms_bits(cuda):
     assert (token >= 0).sum() == ids.numel()
 
 
+@pytest.mark.parametrize("experts, top_k, count, block_m", [(96, 8, 1100, 16), (8, 3, 5, 64), (256, 2, 1, 16)])
+def test_cuda_slot_sort_is_the_stable_counting_sort(cuda, experts, top_k, count, block_m):
+    """``sort_slots`` (three kernels: chunk counts, runs, scatter) against torch's stable sort, on
+    routings that cross its chunk (128 slots at 96 experts), chunk-block (64 chunks) and tile-block
+    boundaries, with empty experts first, in the middle and last, one heavy expert spanning many tiles,
+    and an expert count that is not a power of two."""
+    from hal.kernels.moe import sort_slots
+
+    g = torch.Generator().manual_seed(count)
+    ids = torch.randint(1, max(2, experts - 1), (count, top_k), generator=g)
+    ids[: count // 3, 0] = experts // 2                       # one heavy expert
+    ids[ids == experts // 3] = experts // 3 + 1               # and an empty one in the middle
+    ids = ids.to(torch.int32)
+    slots = sort_slots(ids.to(cuda.device), experts, block_m)
+    token, position, tile_expert = slots.token.cpu().long(), slots.position.cpu(), slots.tile_expert.cpu().long()
+
+    flat = ids.flatten().long()
+    order = torch.sort(flat, stable=True).indices
+    counts = torch.bincount(flat, minlength=experts)
+    padded = (counts + block_m - 1) // block_m * block_m
+    run_start = torch.cumsum(padded, 0) - padded
+    first = torch.cumsum(counts, 0) - counts                  # each expert's first index in sorted order
+    expected = torch.empty_like(flat)
+    expected[order] = run_start[flat[order]] + torch.arange(flat.numel()) - first[flat[order]]
+    assert torch.equal(position.flatten(), expected)
+    total = -(-(flat.numel() + experts * (block_m - 1)) // block_m) * block_m
+    expected_token = torch.full((total,), -1, dtype=torch.long)
+    expected_token[expected] = torch.arange(flat.numel()) // top_k
+    assert torch.equal(token, expected_token)
+    tiles = torch.arange(0, total, block_m)
+    expected_tiles = torch.searchsorted(torch.cumsum(padded, 0), tiles, right=True)
+    assert torch.equal(tile_expert, torch.where(expected_tiles < experts, expected_tiles, -1))
+
+
 # ---------------------------------------------------------------------------------------------
 # The model: training equals rollout, gradients, checkpoints
 # ---------------------------------------------------------------------------------------------

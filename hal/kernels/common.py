@@ -43,6 +43,14 @@ def to_activation(x, IS_BF16: tl.constexpr):
 
 
 @triton.jit
+def silu_mul_f32(g, u):
+    """[silu_mul] on fp32 values of the rounded gate and up: fl32(fl32(g / fl32(1 + exp(-g))) * u), before the
+    one rounding to the activation dtype. The one copy of the formula: the row kernel and the grouped
+    expert GEMM's gated epilogue both call it, so both give the same bits."""
+    return tl.div_rn(g, 1.0 + tl.exp(-g)) * u
+
+
+@triton.jit
 def zero_scalar():
     """An fp32 scalar tensor +0, the start of every ascending sum (a loop-carried value needs a tensor)."""
     return tl.sum(tl.zeros((1,), dtype=tl.float32), axis=0)

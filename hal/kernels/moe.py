@@ -32,7 +32,7 @@ import triton.language as tl
 
 from hal.contract import Gemm, Reduce
 from hal.errors import UnsupportedError
-from hal.kernels.common import INTERPRET, LAUNCH, cdiv, next_power_of_2, to_activation
+from hal.kernels.common import INTERPRET, LAUNCH, cdiv, next_power_of_2, silu_mul_f32, to_activation
 from hal.kernels.launcher import launch
 from hal.kernels.gemm import _tma_ok
 
@@ -125,12 +125,36 @@ def route(router_logits: torch.Tensor, routing, correction_bias: torch.Tensor | 
 # ---------------------------------------------------------------------------------------------
 
 @triton.jit
+def _dot_step(a, w, w_e, w_row, offs_n, ks, k0, N, K, stride_wn, acc, FP32_INPUTS: tl.constexpr,
+              UPCAST: tl.constexpr, W_TMA: tl.constexpr):
+    """acc + a @ (weight rows from ``w_row`` (descriptor) / ``w_e`` (pointer), columns ``ks``).T: one BLOCK_K step."""
+    if W_TMA:
+        b = w.load([w_row, k0]).T
+    else:
+        b = tl.load(w_e + offs_n[None, :] * stride_wn + ks[:, None],
+                    mask=(offs_n[None, :] < N) & (ks[:, None] < K), other=0.0)
+    if UPCAST:
+        b = b.to(tl.float32)
+    if FP32_INPUTS or UPCAST:
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
 def _grouped_gemm_kernel(x, w, rows_ptr, tile_expert_ptr, out_ptr, num_tiles, N, K,
                          stride_xm, stride_we, stride_wn, stride_om,
                          K_CHUNK: tl.constexpr, OUT_BF16: tl.constexpr, FP32_INPUTS: tl.constexpr,
-                         UPCAST: tl.constexpr, W_TMA: tl.constexpr, X_TMA: tl.constexpr,
+                         UPCAST: tl.constexpr, W_TMA: tl.constexpr, X_TMA: tl.constexpr, X_SORTED: tl.constexpr,
+                         GATED: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """out[p] = x[rows[p]] @ w[e].T for the sorted positions p of each tile (e: the tile's expert).
+    GATED (the gate/up projection, w[e] = [gate; up] of 2N rows): the program also reduces the up
+    rows N + n of its gate columns n, beside them in the same K loop (the same A tiles), and stores
+    ``silu_mul`` of the two rounded results: act[p, n] = round(silu(round(g)) * round(u)), the bits of
+    the gate/up linear rounded to the activation dtype and then the row kernel, without writing
+    the (P, 2N) gate/up rows.
     W_TMA: ``w`` is a tensor descriptor of the (E*N, K) view with (BLOCK_N, BLOCK_K) blocks; a tile
     past N reads the next expert's rows into columns that are never stored (each output column is
     its own dot). X_TMA (the down projection, whose rows are the sorted positions themselves): ``x``
@@ -147,10 +171,15 @@ def _grouped_gemm_kernel(x, w, rows_ptr, tile_expert_ptr, out_ptr, num_tiles, N,
         offs_k = tl.arange(0, BLOCK_K)
         rows = tl.load(rows_ptr + offs_m)
         row_ok = rows >= 0                            # padding positions: store nothing
+        if X_SORTED:                                  # x's row p is position p (rows: the tokens, for row_ok)
+            rows = offs_m
+        w_e = w
         if not W_TMA:
             w_e = w + expert.to(tl.int64) * stride_we
         total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        total_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)    # GATED only
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + offs_k
             if X_TMA:
@@ -158,21 +187,23 @@ def _grouped_gemm_kernel(x, w, rows_ptr, tile_expert_ptr, out_ptr, num_tiles, N,
             else:
                 a = tl.load(x + rows.to(tl.int64)[:, None] * stride_xm + ks[None, :],
                             mask=row_ok[:, None] & (ks[None, :] < K), other=0.0)
-            if W_TMA:
-                b = w.load([expert * N + pid_n * BLOCK_N, k0]).T
-            else:
-                b = tl.load(w_e + offs_n[None, :] * stride_wn + ks[:, None],
-                            mask=(offs_n[None, :] < N) & (ks[:, None] < K), other=0.0)
             if UPCAST:  # the interpreter cannot do bf16 arithmetic; the upcast is exact
                 a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            if FP32_INPUTS or UPCAST:
-                acc = tl.dot(a, b, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, b, acc)
+            acc = _dot_step(a, w, w_e, expert * (2 * N if GATED else N) + pid_n * BLOCK_N, offs_n, ks, k0, N, K,
+                            stride_wn, acc, FP32_INPUTS, UPCAST, W_TMA)
+            if GATED:
+                acc_up = _dot_step(a, w, w_e + N * stride_wn, expert * 2 * N + N + pid_n * BLOCK_N, offs_n, ks, k0,
+                                   N, K, stride_wn, acc_up, FP32_INPUTS, UPCAST, W_TMA)
             if ((k0 + BLOCK_K) % K_CHUNK == 0) | (k0 + BLOCK_K >= K):   # the chunk's last step
                 total = total + acc
                 acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                if GATED:
+                    total_up = total_up + acc_up
+                    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if GATED:
+            gate = to_activation(total, OUT_BF16).to(tl.float32)
+            up = to_activation(total_up, OUT_BF16).to(tl.float32)
+            total = silu_mul_f32(gate, up)
         tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :],
                  to_activation(total, OUT_BF16), mask=row_ok[:, None] & (offs_n[None, :] < N))
 
@@ -193,29 +224,100 @@ class SortedSlots:
         return self.token.shape[0]
 
 
+@triton.jit
+def _one_hot(ids_ptr, chunk, slots, CHUNK: tl.constexpr, E_PAD: tl.constexpr):
+    """(slot indices, their expert ids, (CHUNK, E_PAD) int32 one-hot) of one chunk of the flat slots;
+    slots past the end have the id E_PAD and an all-zero row."""
+    j = chunk * CHUNK + tl.arange(0, CHUNK)
+    e = tl.load(ids_ptr + j, mask=j < slots, other=E_PAD)
+    return j, e, (e[:, None] == tl.arange(0, E_PAD)[None, :]).to(tl.int32)
+
+
+@triton.jit
+def _slot_counts_kernel(ids_ptr, counts_ptr, slots, CHUNK: tl.constexpr, E_PAD: tl.constexpr):
+    """counts[c, e]: the slots of chunk c routed to expert e."""
+    c = tl.program_id(0)
+    _, _, onehot = _one_hot(ids_ptr, c, slots, CHUNK, E_PAD)
+    tl.store(counts_ptr + c * E_PAD + tl.arange(0, E_PAD), tl.sum(onehot, axis=0))
+
+
+@triton.jit
+def _slot_runs_kernel(counts_ptr, base_ptr, run_start_ptr, token_ptr, tile_expert_ptr, chunks, num_experts,
+                      num_tiles, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK_BLOCK: tl.constexpr,
+                      TILE_BLOCK: tl.constexpr):
+    """One program: base[c, e] = expert e's slots in chunks before c; each expert's run of whole tiles
+    (run_start[e]); the padding positions' token -1; every tile's expert (-1 past the last run)."""
+    experts = tl.arange(0, E_PAD)
+    blocks = tl.arange(0, CHUNK_BLOCK)
+    running = tl.zeros((E_PAD,), tl.int32)
+    for c0 in range(0, chunks, CHUNK_BLOCK):
+        c = c0 + blocks
+        at = c[:, None] * E_PAD + experts[None, :]
+        counts = tl.load(counts_ptr + at, mask=c[:, None] < chunks, other=0)
+        tl.store(base_ptr + at, running[None, :] + tl.cumsum(counts, axis=0) - counts, mask=c[:, None] < chunks)
+        running += tl.sum(counts, axis=0)
+    padded = (running + BLOCK_M - 1) // BLOCK_M * BLOCK_M     # lanes past num_experts: 0 slots, empty runs
+    run_end = tl.cumsum(padded, axis=0)
+    run_start = run_end - padded
+    tl.store(run_start_ptr + experts, run_start)
+    lanes = tl.arange(0, BLOCK_M)
+    pad = run_start[:, None] + running[:, None] + lanes[None, :]
+    tl.store(token_ptr + pad, tl.full(pad.shape, -1, tl.int32), mask=pad < run_end[:, None])
+    for t0 in range(0, num_tiles, TILE_BLOCK):
+        tiles = t0 + tl.arange(0, TILE_BLOCK)
+        first = tiles * BLOCK_M
+        # the tile's expert: how many runs end at or before its first position (empty runs included)
+        ended = tl.sum((run_end[None, :] <= first[:, None]).to(tl.int32), axis=1)
+        expert = tl.where(ended < num_experts, ended, -1)
+        tl.store(tile_expert_ptr + tiles, expert, mask=tiles < num_tiles)
+        unused = first[:, None] + lanes[None, :]
+        tl.store(token_ptr + unused, tl.full(unused.shape, -1, tl.int32),
+                 mask=(tiles[:, None] < num_tiles) & (expert[:, None] < 0))
+
+
+@triton.jit
+def _slot_scatter_kernel(ids_ptr, base_ptr, run_start_ptr, token_ptr, position_ptr, slots, TOP_K: tl.constexpr,
+                         CHUNK: tl.constexpr, E_PAD: tl.constexpr):
+    """Each slot's sorted position: its expert's run start + the expert's slots in earlier chunks + the
+    earlier slots of its own chunk with that expert (a stable counting sort)."""
+    c = tl.program_id(0)
+    j, e, onehot = _one_hot(ids_ptr, c, slots, CHUNK, E_PAD)
+    rank = tl.sum((tl.cumsum(onehot, axis=0) - onehot) * onehot, axis=1)
+    valid = j < slots
+    e = tl.where(valid, e, 0)
+    position = tl.load(run_start_ptr + e) + tl.load(base_ptr + c * E_PAD + e) + rank
+    tl.store(position_ptr + j, position.to(tl.int64), mask=valid)
+    tl.store(token_ptr + position, (j // TOP_K).to(tl.int32), mask=valid)
+
+
 def sort_slots(ids: torch.Tensor, num_experts: int, block_m: int) -> SortedSlots:
     """Sort the slots by expert on the device, without a host synchronisation (so a CUDA graph can
     capture it): the padded length is the bound T*k + E*(block_m - 1) rounded up to a tile, whatever
-    the routing. Each expert's slot count comes from a ``searchsorted`` over the sorted ids, not from
-    ``torch.bincount``, which reads the ids' maximum on the host. The order of the slots inside an
-    expert's run does not change any bits (each row is its own GEMM); it is the stable order anyway."""
+    the routing. A stable counting sort in three kernels (per-chunk expert counts; one program for
+    the runs, padding and tiles; the scatter), not ``torch.sort`` + ``searchsorted`` (about ten
+    kernels: 20-40 us at 1-64 tokens on the H200). The order of the slots inside an expert's run does
+    not change any bits (each row is its own GEMM); it is the stable order anyway."""
     t, k = ids.shape
     device = ids.device
-    flat = ids.reshape(-1).long()
-    sorted_experts, order = torch.sort(flat, stable=True)         # slots, grouped by expert
-    bounds = torch.searchsorted(sorted_experts, torch.arange(num_experts + 1, device=device))
-    count_start, counts = bounds[:-1], bounds[1:] - bounds[:-1]
-    padded = (counts + block_m - 1) // block_m * block_m
-    run_end = torch.cumsum(padded, 0)
-    run_start = run_end - padded                                   # each expert's first position
-    sorted_position = (run_start - count_start)[sorted_experts] + torch.arange(t * k, device=device)
-    total = -(-(t * k + num_experts * (block_m - 1)) // block_m) * block_m
-    token = torch.full((total,), -1, dtype=torch.int32, device=device)
-    token[sorted_position] = (order // k).to(torch.int32)
-    position = torch.empty(t * k, dtype=torch.long, device=device)
-    position[order] = sorted_position
-    tile_expert = torch.searchsorted(run_end, torch.arange(0, total, block_m, device=device), right=True)
-    tile_expert = torch.where(tile_expert < num_experts, tile_expert, -1).to(torch.int32)
+    slots = t * k
+    e_pad = next_power_of_2(num_experts)
+    chunk = max(16, min(256, 16384 // e_pad))        # a (chunk, E_PAD) one-hot per program
+    chunks = max(1, cdiv(slots, chunk))
+    total = -(-(slots + num_experts * (block_m - 1)) // block_m) * block_m
+    num_tiles = total // block_m
+    flat = ids.reshape(-1).to(torch.int32).contiguous()
+    counts = torch.empty((chunks, e_pad), dtype=torch.int32, device=device)
+    base = torch.empty_like(counts)
+    run_start = torch.empty(e_pad, dtype=torch.int32, device=device)
+    token = torch.empty(total, dtype=torch.int32, device=device)
+    position = torch.empty(slots, dtype=torch.long, device=device)
+    tile_expert = torch.empty(num_tiles, dtype=torch.int32, device=device)
+    launch(_slot_counts_kernel, (chunks,), flat, counts, slots, CHUNK=chunk, E_PAD=e_pad, num_warps=4, **LAUNCH)
+    launch(_slot_runs_kernel, (1,), counts, base, run_start, token, tile_expert, chunks, num_experts, num_tiles,
+           BLOCK_M=block_m, E_PAD=e_pad, CHUNK_BLOCK=max(1, 8192 // e_pad), TILE_BLOCK=max(16, 4096 // max(e_pad, block_m)),
+           num_warps=8, **LAUNCH)
+    launch(_slot_scatter_kernel, (chunks,), flat, base, run_start, token, position, slots, TOP_K=k, CHUNK=chunk,
+           E_PAD=e_pad, num_warps=4, **LAUNCH)
     return SortedSlots(block_m, token, position.view(t, k), tile_expert)
 
 
@@ -242,17 +344,21 @@ def grouped_config(slots: int, num_experts: int) -> dict:
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor, sorted_slots: SortedSlots,
-                   out_dtype: torch.dtype, spec: Gemm, cfg: dict, *, x_sorted: bool = False) -> torch.Tensor:
+                   out_dtype: torch.dtype, spec: Gemm, cfg: dict, *, x_sorted: bool = False,
+                   gated: bool = False) -> torch.Tensor:
     """(P, N) ``out_dtype``: sorted position p holds ``x[rows[p]] @ weight[e].T`` (e: its tile's expert),
     K reduced as [gemm] says; padding rows (rows[p] = -1) are never written: nothing reads them but the
     down projection, whose padding rows are not stored either, and each MMA row is its own dot, so
     whatever they hold reaches no slot's bits. x: (R, K); weight: (E, N, K). ``x_sorted``: x's row p is
-    position p (rows[p] is p or -1): with ``cfg["tma"]`` x is then read by descriptor too.
-    ``cfg["tma"]``: the weights by descriptor where bf16 and aligned."""
+    position p (``rows`` then only marks the padding, < 0): with ``cfg["tma"]`` x is read by descriptor too.
+    ``cfg["tma"]``: the weights by descriptor where bf16 and aligned. ``gated``: weight is (E, 2N, K)
+    = [gate; up] and the result is ``silu_mul`` of the two rounded halves, (P, N) (the kernel's GATED)."""
     e, n, k = weight.shape
+    if gated:
+        n //= 2
     p = sorted_slots.positions
     # no zero fill: at 8192 tokens the padded outputs are ~0.9 GB, ~0.3 ms of memset for rows nobody reads
-    # (the interpreter's numpy warns about the overflows that uninitialised rows give in silu_mul: zero them there)
+    # (the interpreter's numpy warns about the overflows that uninitialised rows give in silu: zero them there)
     out = (torch.zeros if INTERPRET else torch.empty)((p, n), device=x.device, dtype=out_dtype)
     if p == 0 or n == 0:
         return out
@@ -262,12 +368,13 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor, so
     weight = weight.contiguous()
     w_arg, x_arg = weight, x
     # the dense GEMM's descriptor conditions (bf16, row-major, 16-byte aligned base and rows)
-    w_tma = cfg.get("tma", False) and not INTERPRET and _tma_ok(weight.view(e * n, k))
+    rows_of_w = weight.view(e * weight.shape[1], k)
+    w_tma = cfg.get("tma", False) and not INTERPRET and _tma_ok(rows_of_w)
     x_tma = w_tma and x_sorted and _tma_ok(x)
     if w_tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        w_arg = TensorDescriptor.from_tensor(weight.view(e * n, k), [cfg["BLOCK_N"], cfg["BLOCK_K"]])
+        w_arg = TensorDescriptor.from_tensor(rows_of_w, [cfg["BLOCK_N"], cfg["BLOCK_K"]])
         if x_tma:
             x_arg = TensorDescriptor.from_tensor(x, [sorted_slots.block_m, cfg["BLOCK_K"]])
     grid = (p // sorted_slots.block_m, cdiv(n, cfg["BLOCK_N"]))
@@ -275,7 +382,7 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor, so
            x_arg, w_arg, rows, sorted_slots.tile_expert, out, grid[0], n, k, x.stride(0), weight.stride(0),
            weight.stride(1), out.stride(0), K_CHUNK=spec.k_chunk, OUT_BF16=out_dtype == torch.bfloat16,
            FP32_INPUTS=x.dtype == torch.float32, UPCAST=INTERPRET and x.dtype != torch.float32, W_TMA=w_tma,
-           X_TMA=x_tma, BLOCK_M=sorted_slots.block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+           X_TMA=x_tma, X_SORTED=x_sorted, GATED=gated, BLOCK_M=sorted_slots.block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **LAUNCH)
     return out
 
@@ -320,19 +427,20 @@ def combine(down: torch.Tensor, position: torch.Tensor, weights: torch.Tensor, s
 
 
 def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-            topk_ids: torch.Tensor, shared: torch.Tensor | None, spec: Gemm, silu_mul,
-            config: dict | None = None) -> torch.Tensor:
+            topk_ids: torch.Tensor, shared: torch.Tensor | None, spec: Gemm, config: dict | None = None,
+            gate_up_config: dict | None = None) -> torch.Tensor:
     """The expert half of an MoE layer without a host synchronisation: sort the slots, the gate/up
-    grouped GEMM (rounded to the activation dtype), ``silu_mul`` (the backend's kernel), the down
-    grouped GEMM (fp32), then the rank-order combine (``combine``: ``hal.moe.combine``'s steps)."""
+    grouped GEMM with ``silu_mul`` in its epilogue (GATED: the bits of the gate/up linear rounded to
+    the activation dtype and then the row kernel), the down grouped GEMM (fp32), then the rank-order
+    combine (``combine``: ``hal.moe.combine``'s steps). ``config``: the down projection's launch (and the
+    tile rows of both); ``gate_up_config``: the gate/up one (default: ``config`` with half as many
+    columns, since each of its columns reduces a gate and an up row)."""
     t, k = topk_ids.shape
     num_experts = w13.shape[0]
     cfg = config or grouped_config(t * k, num_experts)
+    gate_cfg = gate_up_config or dict(cfg, BLOCK_N=max(16, cfg["BLOCK_N"] // 2))
     slots = sort_slots(topk_ids, num_experts, cfg["BLOCK_M"])
-    gate_up = grouped_linear(x, w13, slots.token, slots, x.dtype, spec, cfg)
-    act = silu_mul(gate_up)
+    act = grouped_linear(x, w13, slots.token, slots, x.dtype, spec, gate_cfg, gated=True)
     # the down projection reads the activations in sorted order: row p of act is position p
-    own = torch.where(slots.token >= 0, torch.arange(slots.positions, device=x.device, dtype=torch.int32),
-                      torch.full_like(slots.token, -1))
-    down = grouped_linear(act, w2, own, slots, torch.float32, spec, cfg, x_sorted=True)
+    down = grouped_linear(act, w2, slots.token, slots, torch.float32, spec, cfg, x_sorted=True)
     return combine(down, slots.position, topk_weights, shared, x.dtype)

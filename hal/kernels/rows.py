@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from hal.contract import Reduce, RmsNorm
-from hal.kernels.common import LAUNCH, cdiv, next_power_of_2, round_to_bf16, to_activation, zero_scalar
+from hal.kernels.common import LAUNCH, cdiv, next_power_of_2, round_to_bf16, silu_mul_f32, to_activation, zero_scalar
 from hal.kernels.launcher import launch
 
 
@@ -231,8 +231,7 @@ def _silu_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, IS_BF16: tl.cons
     mask = offs < inter
     g = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(x_ptr + row * stride_x + inter + offs, mask=mask, other=0.0).to(tl.float32)
-    silu = tl.div_rn(g, 1.0 + tl.exp(-g))
-    tl.store(out_ptr + row * stride_o + offs, to_activation(silu * u, IS_BF16), mask=mask)
+    tl.store(out_ptr + row * stride_o + offs, to_activation(silu_mul_f32(g, u), IS_BF16), mask=mask)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
