@@ -194,22 +194,25 @@ def timing(cuda, tokens, shape, best=None):
     return rows
 
 
-def _launches(bm, widths):
-    """Launch configurations of one grouped GEMM at tile rows ``bm`` (free: the bits do not depend on them)."""
+def _launches(bm, widths, gated=False):
+    """Launch configurations of one grouped GEMM at tile rows ``bm`` (free: the bits do not depend on them);
+    a gated column reduces two weight rows, so it counts twice for the warps (four fp32 tiles per program)."""
     out = []
     for bn in widths:
-        for bk in (64, 128):
-            for stages in (3, 4):
-                for tma in (False, True):
-                    warps = 8 if bm * bn >= 128 * 128 else 4
-                    out.append(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, tma=tma))
+        work = bm * bn * (2 if gated else 1)
+        for warps in ((4, 8) if work == 128 * 128 else (8,) if work > 128 * 128 else (4,)):
+            for bk in ((64,) if work >= 128 * 128 else (64, 128)):
+                for stages in (3, 4):
+                    for tma in (False, True):
+                        out.append(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
+                                        tma=tma))
     return out
 
 
 #: per tile-row count: the gate/up GEMM's column widths (each column reduces a gate and an up row, so
 #: 128 here is the MMA work of a 256-wide tile) and the down GEMM's
 SWEEP_WIDTHS = {16: ((32, 64, 128), (64, 128, 256)), 32: ((64, 128), (128, 256)), 64: ((64, 128), (128, 256)),
-                128: ((64, 128), (128, 256))}
+                128: ((32, 64), (128, 256))}
 
 
 def sweep(cuda, tokens, shape):
@@ -236,7 +239,7 @@ def sweep(cuda, tokens, shape):
         for bm, (gate_widths, down_widths) in SWEEP_WIDTHS.items():
             slots = kernels.sort_slots(ids, e, bm)
             gate_times, down_times = {}, {}
-            for cfg in _launches(bm, gate_widths):
+            for cfg in _launches(bm, gate_widths, gated=True):
                 try:
                     act = kernels.grouped_linear(x, w["w13"], slots.token, slots, x.dtype, spec, cfg, gated=True)
                     per_slot = act[slots.position]
@@ -292,6 +295,19 @@ def sweep(cuda, tokens, shape):
             "cublas_gate_up_us": timed(lambda: torch.mm(xs, w13_0.T)),
             "cublas_down_us": timed(lambda: torch.mm(acts, w2_0.T)),
         }
+        down = kernels.grouped_linear(act, w["w2"], slots.token, slots, torch.float32, spec, down_cfg, x_sorted=True)
+        combined = kernels.combine(down, slots.position, weights, None, x.dtype)
+        combines = {}
+        for block in (512, 1024, 2048):
+            for warps in (4, 8):
+                out = kernels.combine(down, slots.position, weights, None, x.dtype, block, warps)
+                combines[f"{block}/{warps}"] = dict(
+                    us=timed(lambda: kernels.combine(down, slots.position, weights, None, x.dtype, block, warps)),
+                    equal=bool(torch.equal(out, combined)))
+        diagnosis["combine_us_by_block_and_warps"] = combines
+        identical += sum(c["equal"] for c in combines.values())
+        times += len(combines)
+        combine_text = ", ".join(f"{key}: {c['us']:.1f}" for key, c in combines.items())
         row = {"tokens": t, "candidates": times, "identical": identical, "failed": failed, "per_block_m": per_bm,
                "best": {"config": down_cfg, "gate_up_config": gate}, "best_us": best["gate_us"] + best["down_us"],
                "default": kernels.grouped_config(valid, e), "diagnosis": diagnosis}
@@ -301,7 +317,7 @@ def sweep(cuda, tokens, shape):
               f"{diagnosis['silu_mul_us']:.1f}; one K chunk: {diagnosis['one_chunk_gate_us']:.1f} + "
               f"{diagnosis['one_chunk_down_us']:.1f}; dense GEMM on {valid} rows: {diagnosis['dense_gate_up_us']:.1f} + "
               f"{diagnosis['dense_down_fp32_us']:.1f}; cuBLAS {diagnosis['cublas_gate_up_us']:.1f} + "
-              f"{diagnosis['cublas_down_us']:.1f}", flush=True)
+              f"{diagnosis['cublas_down_us']:.1f}; combine (columns/warps: us) {combine_text}", flush=True)
         rows.append(row)
     return rows
 

@@ -620,12 +620,16 @@ def _value_stamp(obj: AttentionMetadata | torch.Tensor):
     one metadata object and one positions tensor per step, so a step pays one synchronisation, not
     one per layer; the version counters move with every in-place write, so a reused buffer refilled
     is checked again. While a CUDA graph is captured no value can be read at all ("capturing": the
-    engine ran the same shapes eagerly before)."""
+    engine ran the same shapes eagerly before). Inference tensors (made under ``torch.inference_mode``,
+    as vLLM runs its forward) have no version counter, so nothing would notice a refill: they are
+    checked at every call (None), and marking one records nothing."""
     tensors = (obj.query_start_loc, obj.seq_lens, obj.block_table) if isinstance(obj, AttentionMetadata) else (obj,)
     if tensors[0].device.type == "cpu":
         return None
     if tensors[0].is_cuda and torch.cuda.is_current_stream_capturing():
         return "capturing"
+    if any(t.is_inference() for t in tensors):
+        return None
     return tuple(t._version for t in tensors)
 
 

@@ -279,3 +279,20 @@ def test_the_shared_checks_run_once_per_call(any_backend, op, monkeypatch):
     getattr(any_backend, name)(*args, **kwargs)
     # check_linear / check_rotary / check_rms_norm / check_attention call check_dtype once themselves.
     assert {k: v for k, v in counts.items() if v > 1} == {}
+
+
+def test_inference_tensors_are_checked_at_every_call_since_they_have_no_version_counter():
+    """vLLM runs its forward under ``torch.inference_mode``: a tensor made there (expert ids from
+    moe_route) has no version counter, so marking it checked records nothing and it is checked again
+    (GPU vLLM's MoE engine raised on ``_version`` before). A normal tensor keeps its stamp until written."""
+    from hal.backend import _value_stamp, _values_checked, mark_values_checked
+
+    normal = torch.zeros(4, device="meta")          # not the CPU, where every call checks anyway
+    mark_values_checked(normal)
+    assert _values_checked(normal)
+    normal.add_(1)                                  # a write moves the version: checked again
+    assert not _values_checked(normal)
+    with torch.inference_mode():
+        ids = torch.zeros(4, dtype=torch.int32, device="meta")
+        mark_values_checked(ids)
+    assert _value_stamp(ids) is None and not _values_checked(ids)

@@ -247,11 +247,10 @@ def _slot_counts_kernel(ids_ptr, counts_ptr, slots, CHUNK: tl.constexpr, E_PAD: 
 
 
 @triton.jit
-def _slot_runs_kernel(counts_ptr, base_ptr, run_start_ptr, token_ptr, tile_expert_ptr, chunks, num_experts,
-                      num_tiles, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK_BLOCK: tl.constexpr,
-                      TILE_BLOCK: tl.constexpr):
+def _slot_runs_kernel(counts_ptr, base_ptr, run_start_ptr, run_end_ptr, token_ptr, chunks,
+                      BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK_BLOCK: tl.constexpr):
     """One program: base[c, e] = expert e's slots in chunks before c; each expert's run of whole tiles
-    (run_start[e]); the padding positions' token -1; every tile's expert (-1 past the last run)."""
+    [run_start[e], run_end[e]); token -1 at the padding positions at the end of each run."""
     experts = tl.arange(0, E_PAD)
     blocks = tl.arange(0, CHUNK_BLOCK)
     running = tl.zeros((E_PAD,), tl.int32)
@@ -265,34 +264,38 @@ def _slot_runs_kernel(counts_ptr, base_ptr, run_start_ptr, token_ptr, tile_exper
     run_end = tl.cumsum(padded, axis=0)
     run_start = run_end - padded
     tl.store(run_start_ptr + experts, run_start)
-    lanes = tl.arange(0, BLOCK_M)
-    pad = run_start[:, None] + running[:, None] + lanes[None, :]
+    tl.store(run_end_ptr + experts, run_end)
+    pad = run_start[:, None] + running[:, None] + tl.arange(0, BLOCK_M)[None, :]
     tl.store(token_ptr + pad, tl.full(pad.shape, -1, tl.int32), mask=pad < run_end[:, None])
-    for t0 in range(0, num_tiles, TILE_BLOCK):
-        tiles = t0 + tl.arange(0, TILE_BLOCK)
+
+
+@triton.jit
+def _slot_scatter_kernel(ids_ptr, base_ptr, run_start_ptr, run_end_ptr, token_ptr, position_ptr, tile_expert_ptr,
+                         slots, chunks, num_experts, num_tiles, TOP_K: tl.constexpr, CHUNK: tl.constexpr,
+                         E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, TILE_BLOCK: tl.constexpr):
+    """Program c: the sorted position of each slot of chunk c (its expert's run start + the expert's
+    slots in earlier chunks + the earlier slots of its own chunk with that expert: a stable counting
+    sort), and the experts of tiles [c TILE_BLOCK, (c + 1) TILE_BLOCK) (-1 and token -1 past the last run)."""
+    c = tl.program_id(0)
+    if c < chunks:
+        j, e, onehot = _one_hot(ids_ptr, c, slots, CHUNK, E_PAD)
+        rank = tl.sum((tl.cumsum(onehot, axis=0) - onehot) * onehot, axis=1)
+        valid = j < slots
+        e = tl.where(valid, e, 0)
+        position = tl.load(run_start_ptr + e) + tl.load(base_ptr + c * E_PAD + e) + rank
+        tl.store(position_ptr + j, position.to(tl.int64), mask=valid)
+        tl.store(token_ptr + position, (j // TOP_K).to(tl.int32), mask=valid)
+    tiles = c * TILE_BLOCK + tl.arange(0, TILE_BLOCK)
+    if c * TILE_BLOCK < num_tiles:
         first = tiles * BLOCK_M
+        run_end = tl.load(run_end_ptr + tl.arange(0, E_PAD))
         # the tile's expert: how many runs end at or before its first position (empty runs included)
         ended = tl.sum((run_end[None, :] <= first[:, None]).to(tl.int32), axis=1)
         expert = tl.where(ended < num_experts, ended, -1)
         tl.store(tile_expert_ptr + tiles, expert, mask=tiles < num_tiles)
-        unused = first[:, None] + lanes[None, :]
+        unused = first[:, None] + tl.arange(0, BLOCK_M)[None, :]
         tl.store(token_ptr + unused, tl.full(unused.shape, -1, tl.int32),
                  mask=(tiles[:, None] < num_tiles) & (expert[:, None] < 0))
-
-
-@triton.jit
-def _slot_scatter_kernel(ids_ptr, base_ptr, run_start_ptr, token_ptr, position_ptr, slots, TOP_K: tl.constexpr,
-                         CHUNK: tl.constexpr, E_PAD: tl.constexpr):
-    """Each slot's sorted position: its expert's run start + the expert's slots in earlier chunks + the
-    earlier slots of its own chunk with that expert (a stable counting sort)."""
-    c = tl.program_id(0)
-    j, e, onehot = _one_hot(ids_ptr, c, slots, CHUNK, E_PAD)
-    rank = tl.sum((tl.cumsum(onehot, axis=0) - onehot) * onehot, axis=1)
-    valid = j < slots
-    e = tl.where(valid, e, 0)
-    position = tl.load(run_start_ptr + e) + tl.load(base_ptr + c * E_PAD + e) + rank
-    tl.store(position_ptr + j, position.to(tl.int64), mask=valid)
-    tl.store(token_ptr + position, (j // TOP_K).to(tl.int32), mask=valid)
 
 
 def sort_slots(ids: torch.Tensor, num_experts: int, block_m: int) -> SortedSlots:
@@ -314,15 +317,17 @@ def sort_slots(ids: torch.Tensor, num_experts: int, block_m: int) -> SortedSlots
     counts = torch.empty((chunks, e_pad), dtype=torch.int32, device=device)
     base = torch.empty_like(counts)
     run_start = torch.empty(e_pad, dtype=torch.int32, device=device)
+    run_end = torch.empty_like(run_start)
     token = torch.empty(total, dtype=torch.int32, device=device)
     position = torch.empty(slots, dtype=torch.long, device=device)
     tile_expert = torch.empty(num_tiles, dtype=torch.int32, device=device)
+    tile_block = 16
     launch(_slot_counts_kernel, (chunks,), flat, counts, slots, CHUNK=chunk, E_PAD=e_pad, num_warps=4, **LAUNCH)
-    launch(_slot_runs_kernel, (1,), counts, base, run_start, token, tile_expert, chunks, num_experts, num_tiles,
-           BLOCK_M=block_m, E_PAD=e_pad, CHUNK_BLOCK=max(1, 8192 // e_pad), TILE_BLOCK=max(16, 4096 // max(e_pad, block_m)),
-           num_warps=8, **LAUNCH)
-    launch(_slot_scatter_kernel, (chunks,), flat, base, run_start, token, position, slots, TOP_K=k, CHUNK=chunk,
-           E_PAD=e_pad, num_warps=4, **LAUNCH)
+    launch(_slot_runs_kernel, (1,), counts, base, run_start, run_end, token, chunks, BLOCK_M=block_m, E_PAD=e_pad,
+           CHUNK_BLOCK=max(1, 8192 // e_pad), num_warps=8, **LAUNCH)
+    launch(_slot_scatter_kernel, (max(chunks, cdiv(num_tiles, tile_block)),), flat, base, run_start, run_end, token,
+           position, tile_expert, slots, chunks, num_experts, num_tiles, TOP_K=k, CHUNK=chunk, E_PAD=e_pad,
+           BLOCK_M=block_m, TILE_BLOCK=tile_block, num_warps=4, **LAUNCH)
     return SortedSlots(block_m, token, position.view(t, k), tile_expert)
 
 
@@ -405,7 +410,7 @@ def _combine_kernel(down_ptr, position_ptr, weights_ptr, shared_ptr, out_ptr, H,
     mask = offs < H
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
     for r in tl.static_range(TOP_K):
-        row = tl.load(position_ptr + t * TOP_K + r)
+        row = tl.load(position_ptr + t * TOP_K + r).to(tl.int64)
         y = tl.load(down_ptr + row * stride_d + offs, mask=mask, other=0.0)
         product = tl.load(weights_ptr + t * TOP_K + r) * y
         if r == 0:
@@ -418,19 +423,20 @@ def _combine_kernel(down_ptr, position_ptr, weights_ptr, shared_ptr, out_ptr, H,
 
 
 def combine(down: torch.Tensor, position: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None,
-            dtype: torch.dtype) -> torch.Tensor:
-    """[moe].combine of fp32 expert outputs ``down`` (P, H) at ``position`` (T, k): (T, H) in ``dtype``."""
+            dtype: torch.dtype, block: int = 1024, num_warps: int = 4) -> torch.Tensor:
+    """[moe].combine of fp32 expert outputs ``down`` (P, H) at ``position`` (T, k): (T, H) in ``dtype``.
+    ``block`` (columns per program) and ``num_warps`` are free: each column is its own sum."""
     t, k = position.shape
     h = down.shape[1]
     out = torch.empty((t, h), device=down.device, dtype=dtype)
     if t == 0:
         return out
-    block = min(1024, next_power_of_2(h))
+    block = min(block, next_power_of_2(h))
     shared_arg = shared.contiguous() if shared is not None else out
     launch(_combine_kernel, (t, cdiv(h, block)),
            down, position.contiguous(), weights.contiguous(), shared_arg, out, h, down.stride(0),
            shared_arg.stride(0), out.stride(0), TOP_K=k, HAS_SHARED=shared is not None,
-           OUT_BF16=dtype == torch.bfloat16, BLOCK_H=block, num_warps=4, **LAUNCH)
+           OUT_BF16=dtype == torch.bfloat16, BLOCK_H=block, num_warps=num_warps, **LAUNCH)
     return out
 
 
