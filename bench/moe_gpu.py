@@ -310,7 +310,7 @@ def sweep(cuda, tokens, shape):
         combine_text = ", ".join(f"{key}: {c['us']:.1f}" for key, c in combines.items())
         row = {"tokens": t, "candidates": times, "identical": identical, "failed": failed, "per_block_m": per_bm,
                "best": {"config": down_cfg, "gate_up_config": gate}, "best_us": best["gate_us"] + best["down_us"],
-               "default": kernels.grouped_config(valid, e), "diagnosis": diagnosis}
+               "default": kernels.grouped_configs(valid, e), "diagnosis": diagnosis}
         print(json.dumps(row), flush=True)
         print(f"  T={t}: gate/up {best['gate_us']:.1f} us + down {best['down_us']:.1f} us at {bm} tile rows "
               f"(sort {best['sort_us']:.1f} us); unfused gate/up {diagnosis['unfused_gate_up_us']:.1f} + silu_mul "

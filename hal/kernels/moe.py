@@ -331,26 +331,35 @@ def sort_slots(ids: torch.Tensor, num_experts: int, block_m: int) -> SortedSlots
     return SortedSlots(block_m, token, position.view(t, k), tile_expert)
 
 
-#: Launch configurations of the grouped GEMM (free: the bits do not depend on them; bench/moe_gpu.py
-#: --sweep checks that and times them), by slots per expert: (most slots per expert, config).
+#: Launch configurations of the two grouped GEMMs (free: the bits do not depend on them), by slots per
+#: expert: (most slots per expert, tile rows, the gate/up (gated) launch, the down launch). A gated
+#: column reduces a gate and an up row, so its BLOCK_N is half the MMA width. H200, bench/moe_gpu.py
+#: --sweep (session 15, Qwen3-30B-A3B: 146 launches per token count, all bit-identical): the fastest
+#: pair at 1-64 tokens (<= 4 slots per expert), 512 (32) and 2048-8192 (128-512).
 GROUPED_CONFIGS = [
-    (16, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)),
-    (48, dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3)),
-    (96, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3)),
-    # H200, bench/moe_gpu.py --sweep (session 10): 64 x 256 tiles with the weights by descriptor are
-    # 9-13% faster than 128 x 128 by pointer at 2048 and 8192 tokens (Qwen3-30B-A3B: 128 and 512 slots
-    # per expert), eager and in a CUDA graph
-    (None, dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3, tma=True)),
+    (8, 16, dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=3),
+     dict(BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3)),
+    (48, 32, dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4),
+     dict(BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3)),
+    (None, 64, dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3, tma=True),
+     dict(BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4, tma=True)),
 ]
 INTERPRETER_CONFIG = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=1)
 
 
-def grouped_config(slots: int, num_experts: int) -> dict:
-    """The grouped GEMM's tiles for ``slots`` (token, rank) slots over ``num_experts`` experts."""
+def grouped_configs(slots: int, num_experts: int) -> tuple[dict, dict]:
+    """(gate/up launch, down launch) of the grouped GEMMs for ``slots`` (token, rank) slots over
+    ``num_experts`` experts; both have the same BLOCK_M (the tile rows the slots are sorted into)."""
     if INTERPRET:
-        return dict(INTERPRETER_CONFIG)
+        return dict(INTERPRETER_CONFIG, BLOCK_N=32), dict(INTERPRETER_CONFIG)
     per_expert = slots / max(1, num_experts)
-    return dict(next(cfg for most, cfg in GROUPED_CONFIGS if most is None or per_expert <= most))
+    _, bm, gate, down = next(row for row in GROUPED_CONFIGS if row[0] is None or per_expert <= row[0])
+    return dict(gate, BLOCK_M=bm), dict(down, BLOCK_M=bm)
+
+
+def grouped_config(slots: int, num_experts: int) -> dict:
+    """The down projection's launch (``grouped_configs``); its BLOCK_M is the tile rows of both."""
+    return grouped_configs(slots, num_experts)[1]
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor, sorted_slots: SortedSlots,
@@ -423,9 +432,10 @@ def _combine_kernel(down_ptr, position_ptr, weights_ptr, shared_ptr, out_ptr, H,
 
 
 def combine(down: torch.Tensor, position: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None,
-            dtype: torch.dtype, block: int = 1024, num_warps: int = 4) -> torch.Tensor:
+            dtype: torch.dtype, block: int = 512, num_warps: int = 4) -> torch.Tensor:
     """[moe].combine of fp32 expert outputs ``down`` (P, H) at ``position`` (T, k): (T, H) in ``dtype``.
-    ``block`` (columns per program) and ``num_warps`` are free: each column is its own sum."""
+    ``block`` (columns per program) and ``num_warps`` are free: each column is its own sum (H200, 8192
+    Qwen3-30B-A3B tokens: 512 columns 157 us, 1024 225 us)."""
     t, k = position.shape
     h = down.shape[1]
     out = torch.empty((t, h), device=down.device, dtype=dtype)
@@ -451,8 +461,12 @@ def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: 
     columns, since each of its columns reduces a gate and an up row)."""
     t, k = topk_ids.shape
     num_experts = w13.shape[0]
-    cfg = config or grouped_config(t * k, num_experts)
-    gate_cfg = gate_up_config or dict(cfg, BLOCK_N=max(16, cfg["BLOCK_N"] // 2))
+    default_gate, default_down = grouped_configs(t * k, num_experts)
+    cfg = config or default_down
+    gate_cfg = gate_up_config or (default_gate if config is None else dict(cfg, BLOCK_N=max(16, cfg["BLOCK_N"] // 2)))
+    if gate_cfg["BLOCK_M"] != cfg["BLOCK_M"]:
+        raise UnsupportedError(f"grouped GEMM: the gate/up and down launches need the same BLOCK_M "
+                               f"({gate_cfg['BLOCK_M']} != {cfg['BLOCK_M']}): the slots are sorted into its tiles")
     slots = sort_slots(topk_ids, num_experts, cfg["BLOCK_M"])
     act = grouped_linear(x, w13, slots.token, slots, x.dtype, spec, gate_cfg, gated=True)
     # the down projection reads the activations in sorted order: row p of act is position p
