@@ -315,7 +315,8 @@ def sweep(cuda, tokens, shape):
         print(f"  T={t}: gate/up {best['gate_us']:.1f} us + down {best['down_us']:.1f} us at {bm} tile rows "
               f"(sort {best['sort_us']:.1f} us); unfused gate/up {diagnosis['unfused_gate_up_us']:.1f} + silu_mul "
               f"{diagnosis['silu_mul_us']:.1f}; one K chunk: {diagnosis['one_chunk_gate_us']:.1f} + "
-              f"{diagnosis['one_chunk_down_us']:.1f}; dense GEMM on {valid} rows: {diagnosis['dense_gate_up_us']:.1f} + "
+              f"{diagnosis['one_chunk_down_us']:.1f}; dense GEMM on {valid} rows: "
+              f"{diagnosis['dense_gate_up_us']:.1f} + "
               f"{diagnosis['dense_down_fp32_us']:.1f}; cuBLAS {diagnosis['cublas_gate_up_us']:.1f} + "
               f"{diagnosis['cublas_down_us']:.1f}; combine (columns/warps: us) {combine_text}", flush=True)
         rows.append(row)

@@ -59,7 +59,8 @@ SHAPES = {  # random-weight models shaped like these (issue #19); tiny: a quick 
                        num_layers=3, num_heads=32, num_kv_heads=4, head_dim=128, qk_norm=True, num_experts=128,
                        num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True),
 }
-CONTRACTS = {"qwen3_moe": "bf16-moe-v1"}   # the contract a shape's model needs (MoE layers: one with [moe]); else the default
+# the contract a shape's model needs (MoE layers: one with [moe]); other shapes take the default
+CONTRACTS = {"qwen3_moe": "bf16-moe-v1"}
 
 
 def contract_for(model_dir: Path) -> str | None:

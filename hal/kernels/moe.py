@@ -357,11 +357,6 @@ def grouped_configs(slots: int, num_experts: int) -> tuple[dict, dict]:
     return dict(gate, BLOCK_M=bm), dict(down, BLOCK_M=bm)
 
 
-def grouped_config(slots: int, num_experts: int) -> dict:
-    """The down projection's launch (``grouped_configs``); its BLOCK_M is the tile rows of both."""
-    return grouped_configs(slots, num_experts)[1]
-
-
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor, sorted_slots: SortedSlots,
                    out_dtype: torch.dtype, spec: Gemm, cfg: dict, *, x_sorted: bool = False,
                    gated: bool = False) -> torch.Tensor:
@@ -404,7 +399,8 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor, so
            x_arg, w_arg, rows, sorted_slots.tile_expert, out, grid[1], n, k, x.stride(0), weight.stride(0),
            weight.stride(1), out.stride(0), K_CHUNK=spec.k_chunk, OUT_BF16=out_dtype == torch.bfloat16,
            FP32_INPUTS=x.dtype == torch.float32, UPCAST=INTERPRET and x.dtype != torch.float32, W_TMA=w_tma,
-           X_TMA=x_tma, X_SORTED=x_sorted, GATED=gated, BLOCK_M=sorted_slots.block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+           X_TMA=x_tma, X_SORTED=x_sorted, GATED=gated, BLOCK_M=sorted_slots.block_m, BLOCK_N=cfg["BLOCK_N"],
+           BLOCK_K=cfg["BLOCK_K"],
            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **LAUNCH)
     return out
 
