@@ -194,30 +194,9 @@ def timing(cuda, tokens, shape, best=None):
     return rows
 
 
-def _launches(bm, widths, gated=False):
-    """Launch configurations of one grouped GEMM at tile rows ``bm`` (free: the bits do not depend on them);
-    a gated column reduces two weight rows, so it counts twice for the warps (four fp32 tiles per program)."""
-    out = []
-    for bn in widths:
-        work = bm * bn * (2 if gated else 1)
-        for warps in ((4, 8) if work == 128 * 128 else (8,) if work > 128 * 128 else (4,)):
-            for bk in ((64,) if work >= 128 * 128 else (64, 128)):
-                for stages in (3, 4):
-                    for tma in (False, True):
-                        out.append(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
-                                        tma=tma))
-    return out
-
-
-#: per tile-row count: the gate/up GEMM's column widths (each column reduces a gate and an up row, so
-#: 128 here is the MMA work of a 256-wide tile) and the down GEMM's
-SWEEP_WIDTHS = {16: ((32, 64, 128), (64, 128, 256)), 32: ((64, 128), (128, 256)), 64: ((64, 128), (128, 256)),
-                128: ((32, 64), (128, 256))}
-
-
 def sweep(cuda, tokens, shape):
-    """Every launch of the gate/up (gated) and the down grouped GEMM, timed apart (CUDA events), for each
-    tile-row count: the bits of every slot must be identical across all of them (tile freedom). Then,
+    """Every launch of the gate/up (gated) and the down grouped GEMM (``moe.candidates``, the tuner's set),
+    timed apart (CUDA events), for each tile-row count: the bits of every slot must be identical across all of them (tile freedom). Then,
     with the fastest pair, where the time goes (not the contract unless said): the unfused gate/up GEMM +
     the silu_mul row kernel (what the gated epilogue replaced); the same launches with one K chunk
     (k_chunk = K: the cost of the contract's chunk sums); the dense GEMM kernel and cuBLAS on as many
@@ -236,10 +215,10 @@ def sweep(cuda, tokens, shape):
         weights, ids = cuda.moe_route(cuda.linear(x, w["router"], out_dtype=torch.float32), routing)
         first_act = first_down = None
         times, identical, failed, per_bm = 0, 0, [], {}
-        for bm, (gate_widths, down_widths) in SWEEP_WIDTHS.items():
+        for bm in kernels.TILE_ROWS:
             slots = kernels.sort_slots(ids, e, bm)
             gate_times, down_times = {}, {}
-            for cfg in _launches(bm, gate_widths, gated=True):
+            for cfg in kernels.candidates(bm, gated=True):
                 try:
                     act = kernels.grouped_linear(x, w["w13"], slots.token, slots, x.dtype, spec, cfg, gated=True)
                     per_slot = act[slots.position]
@@ -254,7 +233,7 @@ def sweep(cuda, tokens, shape):
                 continue
             best_gate = json.loads(min(gate_times, key=gate_times.get))
             act = kernels.grouped_linear(x, w["w13"], slots.token, slots, x.dtype, spec, best_gate, gated=True)
-            for cfg in _launches(bm, down_widths):
+            for cfg in kernels.candidates(bm, gated=False):
                 try:
                     down = kernels.grouped_linear(act, w["w2"], slots.token, slots, torch.float32, spec, cfg,
                                                   x_sorted=True)

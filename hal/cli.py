@@ -223,8 +223,12 @@ def _tune(args) -> int:
                            f"[fp8] section: pass --contract bf16-fp8-v1 (or another contract with one)")
         fp8_shapes = tuning.model_fp8_shapes(model, batches)
         shapes = [s for s in shapes if s not in fp8_shapes]
-    print(f"hal tune: {len(shapes)} GEMM and {len(fp8_shapes)} block-FP8 GEMM shapes of {config_file} on {device}, "
-          f"contract {backend.contract}; cache {out}", flush=True)
+    moe_layers = tuning.model_moe_layers(model, batches)
+    if moe_layers and backend.contract.moe is None:
+        raise HalError(f"hal tune: {config_file} is an MoE model; contract {backend.contract.name} has no [moe] "
+                       f"section: pass --contract bf16-moe-v1 (or another contract with one)")
+    print(f"hal tune: {len(shapes)} GEMM, {len(fp8_shapes)} block-FP8 GEMM and {len(moe_layers)} MoE layer shapes "
+          f"of {config_file} on {device}, contract {backend.contract}; cache {out}", flush=True)
     rows: list = []
 
     def progress(line: str) -> None:
@@ -244,6 +248,8 @@ def _tune(args) -> int:
         tuning.tune_fp8_gemm(fp8_shapes, backend.contract.fp8, cache=cache, progress=progress,
                              baseline=(lambda x, w: torch.nn.functional.linear(x, w)) if args.report else None,
                              report=rows)
+    if moe_layers:
+        tuning.tune_moe(moe_layers, backend.contract.gemm, cache=cache, progress=progress, report=rows)
     print(f"hal tune: {len(cache.entries)} shape classes in {out}" + (f"; report {args.report}" if args.report else ""))
     return 0
 
@@ -280,8 +286,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="show the train/rollout mismatch of stock kernels and its fix, on this machine")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_demo)
-    p = sub.add_parser("tune", help="time the GEMM launch choices (bf16 or block-FP8) for a model's linears on "
-                                    "this GPU (cuda backend)")
+    p = sub.add_parser("tune", help="time the GEMM launch choices (bf16 or block-FP8 linears, MoE expert GEMMs) "
+                                    "for a model on this GPU (cuda backend)")
     p.add_argument("--model", required=True, help="a Hugging Face config.json, or a checkpoint directory holding one")
     p.add_argument("--batch", default=DEFAULT_TUNE_BATCHES, help="tokens per call to tune for, comma-separated")
     p.add_argument("--contract", help="contract name or .toml path (default: the backend's first)")

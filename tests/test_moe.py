@@ -365,6 +365,118 @@ def test_cuda_slot_sort_is_the_stable_counting_sort(cuda, experts, top_k, count,
     assert torch.equal(tile_expert, torch.where(expected_tiles < experts, expected_tiles, -1))
 
 
+def _grouped_outputs(cuda, x, w, ids, gate, down, spec=None):
+    """(act, down rows) of the two grouped GEMMs at these launches, per (token, rank) slot."""
+    from hal.kernels import moe as kernels
+
+    spec = spec or cuda.contract.gemm
+    slots = kernels.sort_slots(ids, E, gate["BLOCK_M"])
+    act = kernels.grouped_linear(x, w["w13"], slots.token, slots, x.dtype, spec, gate, gated=True)
+    rows = kernels.grouped_linear(act, w["w2"], slots.token, slots, torch.float32, spec, down, x_sorted=True)
+    return act[slots.position], rows[slots.position]
+
+
+def test_every_moe_tuner_candidate_gives_the_same_bits(cuda):
+    """The MoE tuner's whole candidate set (``moe.candidates`` at every tile-row count of ``moe.TILE_ROWS``,
+    gated gate/up and down; the tile shapes: warps, stages and descriptor loads do nothing under the
+    interpreter, bench/moe_gpu.py --sweep checks the same list on the GPU) gives every slot the bits of the
+    kernel's own launch, with the hidden size across the 512 K chunk. Negative control: the same launch
+    under a contract with half the K chunk gives other gate/up bits, so the comparison sees a reduction
+    change."""
+    import dataclasses
+
+    from hal.kernels import moe as kernels
+
+    x, w = tokens(torch.bfloat16, count=7, hidden=CUDA_H), layer_weights(torch.bfloat16, hidden=CUDA_H, inter=CUDA_I)
+    _, ids = cuda.moe_route(cuda.linear(x, w["router"], out_dtype=torch.float32), Routing(E, 2))
+    own = _grouped_outputs(cuda, x, w, ids, *kernels.grouped_configs(ids.numel(), E))
+    tried = 0
+    for bm in kernels.TILE_ROWS:
+        shapes = lambda gated: {(c["BLOCK_N"], c["BLOCK_K"]): c for c in kernels.candidates(bm, gated)}.values()
+        down = kernels.candidates(bm, False)[0]
+        for gate in shapes(True):
+            assert torch.equal(_grouped_outputs(cuda, x, w, ids, gate, down)[0], own[0]), gate
+            tried += 1
+        gate = kernels.candidates(bm, True)[0]
+        for down in shapes(False):
+            assert torch.equal(_grouped_outputs(cuda, x, w, ids, gate, down)[1], own[1]), down
+            tried += 1
+    assert tried >= 20
+    # in fp32 (no bf16 rounding of the gate/up results to hide it) the gate/up GEMM's chunk sums change
+    x32, w32 = x.float(), {name: t.float() for name, t in w.items()}
+    half = dataclasses.replace(cuda.contract.gemm, k_chunk=cuda.contract.gemm.k_chunk // 2)
+    configs = kernels.grouped_configs(ids.numel(), E)
+    assert not torch.equal(_grouped_outputs(cuda, x32, w32, ids, *configs, spec=half)[0],
+                           _grouped_outputs(cuda, x32, w32, ids, *configs)[0])
+
+
+def test_moe_tuner_keeps_the_fastest_pair_and_the_backend_takes_the_policys_launch(cuda, monkeypatch):
+    """``tune_moe`` (stand-in timer, each timing faster than the one before) keeps the last tile-row count's
+    last gate/up and down launches under the layer's MoE shape class; ``moe.experts`` with a policy that
+    returns them launches those tiles and gives the kernel's own bits; a launch that changes a bit stops the
+    tuning with an error naming it."""
+    from hal.errors import HalError
+    from hal.kernels import moe as kernels
+    from hal.kernels import tuning
+    from hal.kernels.policy import LaunchPolicy
+
+    small = {True: [dict(BLOCK_N=32, BLOCK_K=64), dict(BLOCK_N=64, BLOCK_K=128)],
+             False: [dict(BLOCK_N=64, BLOCK_K=64), dict(BLOCK_N=128, BLOCK_K=128)]}
+    monkeypatch.setattr(kernels, "TILE_ROWS", (16, 32))
+    monkeypatch.setattr(kernels, "candidates", lambda bm, gated: [dict(c, BLOCK_M=bm, num_warps=4, num_stages=1)
+                                                                for c in small[gated]])
+    spec = cuda.contract.gemm
+    timings = iter(range(1000, 0, -1))
+    cache = tuning.TuneCache("cpu (interpreter)", "x")
+    layer = (5, E, 2, CUDA_H, CUDA_I)
+    tuning.tune_moe([layer], spec, device="cpu", cache=cache, timer=lambda fn: (fn(), next(timings))[1], progress=None)
+    key = tuning.moe_shape_class(10, E, CUDA_H, CUDA_I, torch.bfloat16, spec.k_chunk)
+    chosen = cache.config(key)
+    assert chosen == {"gate_up": kernels.candidates(32, True)[-1], "down": kernels.candidates(32, False)[-1]}
+    assert cache.entries[key]["candidates"] == 8
+
+    class Tuned(LaunchPolicy):
+        def moe_tiles(self, slots, num_experts, hidden, inter, spec, dtype):
+            return chosen["gate_up"], chosen["down"]
+    seen = []
+    real_launch = kernels.launch
+    monkeypatch.setattr(kernels, "launch",
+                        lambda kernel, grid, *a, **kw: (seen.append(kw), real_launch(kernel, grid, *a, **kw))[1])
+    x, w = tokens(torch.bfloat16, count=5, hidden=CUDA_H), layer_weights(torch.bfloat16, hidden=CUDA_H, inter=CUDA_I)
+    weights, ids = cuda.moe_route(cuda.linear(x, w["router"], out_dtype=torch.float32), Routing(E, 2))
+    own = kernels.experts(x, w["w13"], w["w2"], weights, ids, None, spec, policy=LaunchPolicy())
+    seen.clear()
+    tuned = kernels.experts(x, w["w13"], w["w2"], weights, ids, None, spec, policy=Tuned())
+    assert torch.equal(tuned, own)
+    gemms = [(kw["BLOCK_M"], kw["BLOCK_N"], kw["GATED"]) for kw in seen if "GATED" in kw]
+    assert gemms == [(32, 64, True), (32, 128, False)]
+
+    real_grouped = kernels.grouped_linear
+
+    def planted(x, weight, rows, slots, out_dtype, spec, cfg, **kw):
+        out = real_grouped(x, weight, rows, slots, out_dtype, spec, cfg, **kw)
+        if cfg["BLOCK_N"] == 128:                 # one down launch flips a bit of every row
+            out.view(torch.int32)[:, 0] ^= 1
+        return out
+    monkeypatch.setattr(kernels, "grouped_linear", planted)
+    with pytest.raises(HalError, match="other bits than the kernel's own"):
+        tuning.tune_moe([layer], spec, device="cpu", cache=cache, timer=lambda fn: (fn(), 1.0)[1], progress=None)
+
+
+def test_hal_tune_covers_an_moe_models_router_and_expert_gemms():
+    """``hal tune --model`` of an MoE model: its router GEMM (fp32 logits) among the linears, and one
+    ``tune_moe`` layer per batch size; a dense model has none."""
+    from hal.kernels.tuning import model_gemm_shapes, model_moe_layers
+
+    config = tiny_config("qwen3_moe", "bfloat16")
+    shapes, out_dtypes = model_gemm_shapes(config, [1, 8])
+    router = (config.num_experts, config.hidden_size)
+    assert (8, *router) in shapes and out_dtypes[router] == torch.float32
+    assert model_moe_layers(config, [1, 8]) == [(m, config.num_experts, config.num_experts_per_tok, config.hidden_size,
+                                                 config.moe_intermediate_size) for m in (1, 8)]
+    assert model_moe_layers(tiny_config("qwen3", "bfloat16"), [1, 8]) == []
+
+
 # ---------------------------------------------------------------------------------------------
 # The model: training equals rollout, gradients, checkpoints
 # ---------------------------------------------------------------------------------------------

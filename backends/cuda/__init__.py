@@ -210,7 +210,8 @@ class CudaBackend(Backend):
         # the dense GEMM's of its token's row, so they do not depend on the expert's other tokens.
         moe.check_contract(self)
         self.check_devices("moe_experts", x, w13, w2, topk_weights, topk_ids, shared)
-        return self._moe.experts(x.contiguous(), w13, w2, topk_weights, topk_ids, shared, self.contract.gemm)
+        return self._moe.experts(x.contiguous(), w13, w2, topk_weights, topk_ids, shared, self.contract.gemm,
+                                 policy=self._launch)
 
     # -- block FP8 ([fp8]) ----------------------------------------------------------------------
 

@@ -4,7 +4,7 @@ The kernels size their launch shapes in waves of programs on the multiprocessors
 wave costs a quarter of the time at some shapes); the count is the one thing about an NVIDIA device
 they need, and it comes from here. Tiles are the kernels' own tables, tuned on the H200, unless a
 tuning cache of this GPU (``hal tune``, hal/kernels/tuning.py) holds a measured choice for a GEMM shape
-(bf16 or block-FP8).
+(bf16 or block-FP8, or an MoE layer's grouped expert GEMMs).
 """
 
 from __future__ import annotations
@@ -47,6 +47,15 @@ class CudaLaunch(LaunchPolicy):
         if cache is None:
             return None
         return cache.config(tuning.fp8_shape_class(m, n, k, spec, out_dtype))
+
+
+    def moe_tiles(self, slots: int, num_experts: int, hidden: int, inter: int, spec: Gemm,
+                  dtype: torch.dtype) -> tuple[dict, dict] | None:
+        """The tuned launches of this MoE layer's shape class (``hal tune`` of an MoE model), as ``gemm_tiles``."""
+        cache = _tuning_cache() if self.tuned else None
+        entry = cache.config(tuning.moe_shape_class(slots, num_experts, hidden, inter, dtype, spec.k_chunk)) \
+            if cache is not None else None
+        return (entry["gate_up"], entry["down"]) if entry else None
 
 
 @functools.lru_cache(maxsize=None)

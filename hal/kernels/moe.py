@@ -35,6 +35,7 @@ from hal.errors import UnsupportedError
 from hal.kernels.common import INTERPRET, LAUNCH, cdiv, next_power_of_2, silu_mul_f32, to_activation
 from hal.kernels.launcher import launch
 from hal.kernels.gemm import _tma_ok
+from hal.kernels.policy import LaunchPolicy
 
 
 @triton.jit
@@ -334,7 +335,7 @@ def sort_slots(ids: torch.Tensor, num_experts: int, block_m: int) -> SortedSlots
 #: Launch configurations of the two grouped GEMMs (free: the bits do not depend on them), by slots per
 #: expert: (most slots per expert, tile rows, the gate/up (gated) launch, the down launch). A gated
 #: column reduces a gate and an up row, so its BLOCK_N is half the MMA width. H200, bench/moe_gpu.py
-#: --sweep (session 15, Qwen3-30B-A3B: 146 launches per token count, all bit-identical): the fastest
+#: --sweep (session 15, Qwen3-30B-A3B: 140 launches per token count, all bit-identical): the fastest
 #: pair at 1-64 tokens (<= 4 slots per expert), 512 (32) and 2048-8192 (128-512).
 GROUPED_CONFIGS = [
     (8, 16, dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=3),
@@ -355,6 +356,30 @@ def grouped_configs(slots: int, num_experts: int) -> tuple[dict, dict]:
     per_expert = slots / max(1, num_experts)
     _, bm, gate, down = next(row for row in GROUPED_CONFIGS if row[0] is None or per_expert <= row[0])
     return dict(gate, BLOCK_M=bm), dict(down, BLOCK_M=bm)
+
+
+#: the tile rows the tuner (``hal.kernels.tuning.tune_moe``) and bench/moe_gpu.py --sweep try, and per tile-row
+#: count the column widths of the gate/up (gated: 128 here is the MMA work of a 256-wide tile) and down GEMMs
+TILE_ROWS = (16, 32, 64, 128)
+CANDIDATE_WIDTHS = {16: ((32, 64, 128), (64, 128, 256)), 32: ((64, 128), (128, 256)), 64: ((64, 128), (128, 256)),
+                    128: ((32, 64), (128, 256))}
+
+
+def candidates(block_m: int, gated: bool) -> list[dict]:
+    """Launch configurations of one grouped GEMM at ``block_m`` tile rows (free: the bits do not depend on
+    them; the H200 sweep of session 15 checked all 140 at Qwen3-30B-A3B's shape): column widths, BLOCK_K, warps,
+    stages, descriptor loads. A gated column reduces two weight rows, so it counts twice for the warps
+    (four fp32 tiles per program): 8 warps above 128 x 128 of MMA work, both at it, 4 below."""
+    out = []
+    for bn in CANDIDATE_WIDTHS[block_m][0 if gated else 1]:
+        work = block_m * bn * (2 if gated else 1)
+        for warps in ((4, 8) if work == 128 * 128 else (8,) if work > 128 * 128 else (4,)):
+            for bk in ((64,) if work >= 128 * 128 else (64, 128)):
+                for stages in (3, 4):
+                    for tma in (False, True):
+                        out.append(dict(BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
+                                        tma=tma))
+    return out
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor, sorted_slots: SortedSlots,
@@ -448,16 +473,18 @@ def combine(down: torch.Tensor, position: torch.Tensor, weights: torch.Tensor, s
 
 def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
             topk_ids: torch.Tensor, shared: torch.Tensor | None, spec: Gemm, config: dict | None = None,
-            gate_up_config: dict | None = None) -> torch.Tensor:
+            gate_up_config: dict | None = None, *, policy: LaunchPolicy | None = None) -> torch.Tensor:
     """The expert half of an MoE layer without a host synchronisation: sort the slots, the gate/up
     grouped GEMM with ``silu_mul`` in its epilogue (GATED: the bits of the gate/up linear rounded to
     the activation dtype and then the row kernel), the down grouped GEMM (fp32), then the rank-order
-    combine (``combine``: ``hal.moe.combine``'s steps). ``config``: the down projection's launch (and the
-    tile rows of both); ``gate_up_config``: the gate/up one (default: ``config`` with half as many
-    columns, since each of its columns reduces a gate and an up row)."""
+    combine (``combine``: ``hal.moe.combine``'s steps). The launches are ``grouped_configs``', or the
+    ``policy``'s (a tuning cache's choice, ``hal tune``) where it has one; ``config``: the down projection's
+    launch over both (and the tile rows of both); ``gate_up_config``: the gate/up one (default with a
+    ``config``: it with half as many columns, since each gated column reduces a gate and an up row)."""
     t, k = topk_ids.shape
     num_experts = w13.shape[0]
-    default_gate, default_down = grouped_configs(t * k, num_experts)
+    tuned = policy.moe_tiles(t * k, num_experts, x.shape[1], w2.shape[2], spec, x.dtype) if policy else None
+    default_gate, default_down = tuned or grouped_configs(t * k, num_experts)
     cfg = config or default_down
     gate_cfg = gate_up_config or (default_gate if config is None else dict(cfg, BLOCK_N=max(16, cfg["BLOCK_N"] // 2)))
     if gate_cfg["BLOCK_M"] != cfg["BLOCK_M"]:

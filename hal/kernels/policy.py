@@ -35,6 +35,12 @@ class LaunchPolicy:
         ``fp8_gemm._config``: BLOCK_M/N, GROUP_M, num_warps, num_stages, tma, pair), or None."""
         return None
 
+    def moe_tiles(self, slots: int, num_experts: int, hidden: int, inter: int, spec: Gemm,
+                  dtype: torch.dtype) -> tuple[dict, dict] | None:
+        """(gate/up launch, down launch) of the grouped expert GEMMs (keys of ``moe.grouped_configs``'
+        entries, the same BLOCK_M) for ``slots`` (token, rank) slots, or None for the kernel's own table."""
+        return None
+
     def attention_block_q(self, q: torch.Tensor, k_cache: torch.Tensor, query_start_loc: torch.Tensor,
                           spec: Attention) -> int | None:
         """Query tokens per attention program for this call, or None for the kernel's own choice."""

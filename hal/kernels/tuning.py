@@ -1,4 +1,5 @@
-"""GEMM launch selection by measurement (issue #20), bit-safe by construction.
+"""GEMM launch selection by measurement (issue #20), bit-safe by construction: dense and block-FP8
+linears, and an MoE layer's grouped expert GEMMs (``tune_moe``).
 
 The contract fixes the GEMM's reduction structure (K chunks at absolute offsets, ascending); tiles,
 warps, stages, split-K and descriptor loads are free: they never change a bit (bench/tile_freedom.py,
@@ -50,6 +51,14 @@ def fp8_shape_class(m: int, n: int, k: int, spec: Fp8, out_dtype: torch.dtype) -
     activation format for the input and the K block for the chunk."""
     bf16_key = shape_class(m, n, k, torch.bfloat16, out_dtype, spec.activation_group)
     return bf16_key.replace("-bf16-", f"-{spec.activation_format}-", 1)
+
+
+def moe_shape_class(slots: int, num_experts: int, hidden: int, inter: int, dtype: torch.dtype, k_chunk: int) -> str:
+    """The cache key of an MoE layer's grouped expert GEMMs: its (token, rank) slots rounded up to a power
+    of two, the experts, hidden and expert widths, the activation dtype and k_chunk."""
+    s_class = 1 << max(0, (max(1, slots) - 1).bit_length())
+    name = {torch.bfloat16: "bf16", torch.float32: "fp32"}.get(dtype, str(dtype))
+    return f"moe-s{s_class}-e{num_experts}-h{hidden}-i{inter}-{name}-kc{k_chunk}"
 
 
 def default_cache_path(device_name: str) -> Path:
@@ -169,6 +178,100 @@ def tune_fp8_gemm(shapes: Iterable[tuple[int, int, int]], spec: Fp8, *, out_dtyp
     return cache
 
 
+def tune_moe(layers: Iterable[tuple[int, int, int, int, int]], spec: Gemm, *, dtype: torch.dtype = torch.bfloat16,
+             device: torch.device | str = "cuda", cache: TuneCache,
+             timer: Callable[[Callable[[], object]], float] = _device_ms,
+             progress: Callable[[str], None] | None = print, report: list | None = None) -> TuneCache:
+    """The grouped expert GEMMs of MoE layers (tokens, experts, top_k, hidden, expert width), each under
+    ``moe_shape_class``: for every tile-row count (``moe.TILE_ROWS``) the gate/up (gated) and the down
+    launches of ``moe.candidates`` are timed apart and each is checked bit for bit, slot by slot, against
+    the kernel's own launch; the pair with the least time is then checked and timed as the whole expert
+    half, and kept if it beats the kernel's own. Routing is uniform (each token's top-k from random
+    scores: the balanced load a trained router aims at)."""
+    from hal.backends.cuda.launch import CUDA_LAUNCH_UNTUNED as untuned
+    from hal.kernels import moe
+
+    g = torch.Generator(device=device).manual_seed(0)
+    for tokens, e, top_k, h, i in layers:
+        x = torch.randn(tokens, h, generator=g, device=device).to(dtype)
+        w13 = (torch.randn(e, 2 * i, h, generator=g, device=device) * h ** -0.5).to(dtype)
+        w2 = (torch.randn(e, h, i, generator=g, device=device) * i ** -0.5).to(dtype)
+        ids = torch.rand(tokens, e, generator=g, device=device).topk(top_k, dim=1).indices.to(torch.int32)
+        weights = torch.rand(tokens, top_k, generator=g, device=device)
+        key = moe_shape_class(tokens * top_k, e, h, i, dtype, spec.k_chunk)
+
+        def layer(gate=None, down=None):
+            return moe.experts(x, w13, w2, weights, ids, None, spec, down, gate, policy=untuned)
+        reference = layer()
+        default_ms = timer(layer)
+        own_gate, own_down = moe.grouped_configs(tokens * top_k, e)
+        slots = moe.sort_slots(ids, e, own_gate["BLOCK_M"])
+        act_ref = moe.grouped_linear(x, w13, slots.token, slots, dtype, spec, own_gate, gated=True)
+        down_ref = moe.grouped_linear(act_ref, w2, slots.token, slots, torch.float32, spec, own_down, x_sorted=True)
+        act_ref, down_ref = act_ref[slots.position], down_ref[slots.position]      # per slot
+        best, tried, skipped = None, 0, 0
+        for bm in moe.TILE_ROWS:
+            slots = moe.sort_slots(ids, e, bm)
+
+            def gate_up(c):
+                return moe.grouped_linear(x, w13, slots.token, slots, dtype, spec, c, gated=True)
+            gate = _fastest_launch(f"gate/up grouped GEMM ({tokens} tokens, {e} experts)", gate_up,
+                                   moe.candidates(bm, True), act_ref, slots.position, timer)
+            act = gate_up(gate[0]) if gate[0] is not None else None
+
+            def down_proj(c):
+                return moe.grouped_linear(act, w2, slots.token, slots, torch.float32, spec, c, x_sorted=True)
+            down = _fastest_launch(f"down grouped GEMM ({tokens} tokens, {e} experts)", down_proj,
+                                   moe.candidates(bm, False), down_ref, slots.position, timer) \
+                if act is not None else (None, None, 0, 0)
+            tried, skipped = tried + gate[2] + down[2], skipped + gate[3] + down[3]
+            if down[0] is not None and (best is None or gate[1] + down[1] < best[2]):
+                best = (gate[0], down[0], gate[1] + down[1])
+        best_ms = default_ms
+        if best is not None:
+            if not torch.equal(_bits(layer(best[0], best[1])), _bits(reference)):
+                raise HalError(f"tune: the launches {best[:2]} give other bits than the kernel's own for the whole "
+                               f"expert half ({tokens} tokens, {e} experts): a kernel bug; report it")
+            best_ms = timer(lambda: layer(best[0], best[1]))
+        if best is not None and best_ms < default_ms:
+            cache.entries[key] = {"config": {"gate_up": best[0], "down": best[1]}, "ms": best_ms,
+                                  "default_ms": default_ms, "candidates": tried, "skipped": skipped}
+        else:
+            cache.entries.pop(key, None)          # the kernel's own table is the fastest: nothing to override
+            best_ms = min(best_ms, default_ms)
+        if report is not None:
+            report.append(dict(tokens=tokens, experts=e, top_k=top_k, hidden=h, inter=i, key=key,
+                               default_ms=default_ms, best_ms=best_ms, config=cache.config(key), candidates=tried,
+                               skipped=skipped))
+        if progress:
+            progress(f"  {key:44} {tried:3} launches ({skipped} did not launch), expert half: default "
+                     f"{default_ms * 1e3:8.1f} us, best {best_ms * 1e3:8.1f} us ({default_ms / best_ms:.2f}x)")
+        del x, w13, w2
+    return cache
+
+
+def _fastest_launch(what: str, run: Callable[[dict], torch.Tensor], configs: list[dict], reference: torch.Tensor,
+                    position: torch.Tensor, timer: Callable) -> tuple[dict | None, float | None, int, int]:
+    """(the fastest configuration, its time, how many were timed, how many did not launch) of ``run``
+    over ``configs``; each one's rows at ``position`` (per slot) must have ``reference``'s bits."""
+    fastest, fastest_ms, tried, skipped = None, None, 0, 0
+    for config in configs:
+        try:
+            out = run(config)
+        except Exception as exc:                  # out of resources for this tile: not a candidate here (counted)
+            log.debug("tune %s: %s failed to launch: %s", what, config, exc)
+            skipped += 1
+            continue
+        if not torch.equal(_bits(out[position]), _bits(reference)):
+            raise HalError(f"tune: launch {config} of the {what} gives other bits than the kernel's own: launch "
+                           f"choices must not change bits (a kernel bug; report it)")
+        ms = timer(lambda: run(config))
+        tried += 1
+        if fastest_ms is None or ms < fastest_ms:
+            fastest, fastest_ms = config, ms
+    return fastest, fastest_ms, tried, skipped
+
+
 def _tune_shape(what: str, key: str, run: Callable[[dict | None], torch.Tensor], configs: list[dict],
                 cache: TuneCache, timer: Callable, progress: Callable[[str], None] | None, report: list | None,
                 shape: dict, stock: Callable[[], object] | None) -> None:
@@ -215,13 +318,17 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 def model_gemm_shapes(config, batches: Iterable[int]) -> tuple[list[tuple[int, int, int]], dict]:
     """The linears of a ``hal.model.ModelConfig`` at each batch size (tokens per call): QKV, O, gate-up,
-    down and the logits GEMM (fp32 out). Returns (shapes, out_dtypes)."""
+    down, the logits GEMM (fp32 out) and an MoE model's router (fp32 out). Returns (shapes, out_dtypes)."""
     c = config
     weights = [((c.num_heads + 2 * c.num_kv_heads) * c.head_dim, c.hidden_size), (c.hidden_size, c.num_heads * c.head_dim),
                (2 * c.intermediate_size, c.hidden_size), (c.hidden_size, c.intermediate_size),
                (c.vocab_size, c.hidden_size)]
+    out_dtypes = {(c.vocab_size, c.hidden_size): torch.float32}
+    if c.is_moe:                          # the router: fp32 logits ([moe]); the experts are tune_moe's
+        weights.append((c.num_experts, c.hidden_size))
+        out_dtypes[(c.num_experts, c.hidden_size)] = torch.float32
     shapes = [(m, n, k) for m in batches for n, k in dict.fromkeys(weights)]
-    return shapes, {(c.vocab_size, c.hidden_size): torch.float32}
+    return shapes, out_dtypes
 
 
 def model_fp8_shapes(config, batches: Iterable[int]) -> list[tuple[int, int, int]]:
@@ -229,3 +336,12 @@ def model_fp8_shapes(config, batches: Iterable[int]) -> list[tuple[int, int, int
     GEMM stays in the model dtype) at each batch size."""
     shapes, out_dtypes = model_gemm_shapes(config, batches)
     return [s for s in shapes if (s[1], s[2]) not in out_dtypes]
+
+
+def model_moe_layers(config, batches: Iterable[int]) -> list[tuple[int, int, int, int, int]]:
+    """The MoE layers of a ``hal.model.ModelConfig`` at each batch size: (tokens, experts, top_k, hidden,
+    expert width); none for a dense model. The router GEMM is one of ``model_gemm_shapes``' linears there."""
+    if not config.is_moe:
+        return []
+    return [(m, config.num_experts, config.num_experts_per_tok, config.hidden_size, config.moe_intermediate_size)
+            for m in batches]
