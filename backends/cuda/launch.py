@@ -48,7 +48,6 @@ class CudaLaunch(LaunchPolicy):
             return None
         return cache.config(tuning.fp8_shape_class(m, n, k, spec, out_dtype))
 
-
     def moe_tiles(self, slots: int, num_experts: int, hidden: int, inter: int, spec: Gemm,
                   dtype: torch.dtype) -> tuple[dict, dict] | None:
         """The tuned launches of this MoE layer's shape class (``hal tune`` of an MoE model), as ``gemm_tiles``."""
