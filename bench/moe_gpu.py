@@ -213,38 +213,37 @@ def sweep(cuda, tokens, shape):
     for t in tokens:
         x = torch.randn(t, h, generator=torch.Generator().manual_seed(t)).to(torch.bfloat16).cuda()
         weights, ids = cuda.moe_route(cuda.linear(x, w["router"], out_dtype=torch.float32), routing)
-        first_act = first_down = None
+        first = {}                       # per GEMM: the first launch's per-slot output, which every other must equal
         times, identical, failed, per_bm = 0, 0, [], {}
-        for bm in kernels.TILE_ROWS:
-            slots = kernels.sort_slots(ids, e, bm)
-            gate_times, down_times = {}, {}
-            for cfg in kernels.candidates(bm, gated=True):
+
+        def fastest(label, run, configs, slots):
+            """{launch: us} of ``run`` over ``configs``, counting launches and bit-identical ones."""
+            nonlocal times, identical
+            found = {}
+            for cfg in configs:
                 try:
-                    act = kernels.grouped_linear(x, w["w13"], slots.token, slots, x.dtype, spec, cfg, gated=True)
-                    per_slot = act[slots.position]
-                    first_act = per_slot if first_act is None else first_act
-                    identical += bool(torch.equal(per_slot, first_act))
-                    gate_times[json.dumps(cfg)] = timed(lambda: kernels.grouped_linear(
-                        x, w["w13"], slots.token, slots, x.dtype, spec, cfg, gated=True), repeats=10)
+                    per_slot = run(cfg)[slots.position]
+                    identical += bool(torch.equal(per_slot, first.setdefault(label, per_slot)))
+                    found[json.dumps(cfg)] = timed(lambda: run(cfg), repeats=10)
                     times += 1
                 except Exception as exc:  # noqa: BLE001 - out of resources: not a candidate here
-                    failed.append(f"gate {cfg}: {type(exc).__name__}")
+                    failed.append(f"{label} {cfg}: {type(exc).__name__}")
+            return found
+
+        for bm in kernels.TILE_ROWS:
+            slots = kernels.sort_slots(ids, e, bm)
+
+            def gate_up(cfg):
+                return kernels.grouped_linear(x, w["w13"], slots.token, slots, x.dtype, spec, cfg, gated=True)
+            gate_times = fastest("gate", gate_up, kernels.candidates(bm, gated=True), slots)
             if not gate_times:
                 continue
             best_gate = json.loads(min(gate_times, key=gate_times.get))
-            act = kernels.grouped_linear(x, w["w13"], slots.token, slots, x.dtype, spec, best_gate, gated=True)
-            for cfg in kernels.candidates(bm, gated=False):
-                try:
-                    down = kernels.grouped_linear(act, w["w2"], slots.token, slots, torch.float32, spec, cfg,
-                                                  x_sorted=True)
-                    per_slot = down[slots.position]
-                    first_down = per_slot if first_down is None else first_down
-                    identical += bool(torch.equal(per_slot, first_down))
-                    down_times[json.dumps(cfg)] = timed(lambda: kernels.grouped_linear(
-                        act, w["w2"], slots.token, slots, torch.float32, spec, cfg, x_sorted=True), repeats=10)
-                    times += 1
-                except Exception as exc:  # noqa: BLE001
-                    failed.append(f"down {cfg}: {type(exc).__name__}")
+            act = gate_up(best_gate)
+
+            def down_proj(cfg):
+                return kernels.grouped_linear(act, w["w2"], slots.token, slots, torch.float32, spec, cfg, x_sorted=True)
+            down_times = fastest("down", down_proj, kernels.candidates(bm, gated=False), slots)
             if down_times:
                 best_down = min(down_times, key=down_times.get)
                 per_bm[bm] = dict(gate=best_gate, gate_us=min(gate_times.values()), down=json.loads(best_down),
