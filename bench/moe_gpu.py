@@ -213,7 +213,7 @@ def sweep(cuda, tokens, shape):
     for t in tokens:
         x = torch.randn(t, h, generator=torch.Generator().manual_seed(t)).to(torch.bfloat16).cuda()
         weights, ids = cuda.moe_route(cuda.linear(x, w["router"], out_dtype=torch.float32), routing)
-        first = {}                       # per GEMM: the first launch's per-slot output, which every other must equal
+        first = {}        # per GEMM: the first launch's per-slot output, which every other must equal
         times, identical, failed, per_bm = 0, 0, [], {}
 
         def fastest(label, run, configs, slots):
