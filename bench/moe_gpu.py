@@ -196,8 +196,8 @@ def timing(cuda, tokens, shape, best=None):
 
 def sweep(cuda, tokens, shape):
     """Every launch of the gate/up (gated) and the down grouped GEMM (``moe.candidates``, the tuner's set),
-    timed apart (CUDA events), for each tile-row count: the bits of every slot must be identical across all of them (tile freedom). Then,
-    with the fastest pair, where the time goes (not the contract unless said): the unfused gate/up GEMM +
+    timed apart (CUDA events), for each tile-row count: the bits of every slot must be identical across
+    all of them (tile freedom). Then, with the fastest pair, where the time goes (not the contract unless said): the unfused gate/up GEMM +
     the silu_mul row kernel (what the gated epilogue replaced); the same launches with one K chunk
     (k_chunk = K: the cost of the contract's chunk sums); the dense GEMM kernel and cuBLAS on as many
     rows as there are slots (the cost of the gather and the expert tiles)."""
