@@ -331,16 +331,19 @@ def test_cuda_grouped_expert_gemm_gives_each_slot_the_dense_gemms_bits(cuda):
     assert (token >= 0).sum() == ids.numel()
 
 
-@pytest.mark.parametrize("experts, top_k, count, block_m", [(96, 8, 1100, 16), (8, 3, 5, 64), (256, 2, 1, 16)])
+@pytest.mark.parametrize("experts, top_k, count, block_m",
+                         [(96, 8, 1100, 16), (8, 3, 5, 64), (256, 2, 1, 16), (128, 8, 16, 16), (128, 8, 17, 64)])
 def test_cuda_slot_sort_is_the_stable_counting_sort(cuda, experts, top_k, count, block_m):
-    """``sort_slots`` (three kernels: chunk counts, runs, scatter) against torch's stable sort, on
-    routings that cross its chunk (128 slots at 96 experts), chunk-block (64 chunks) and tile-block
-    boundaries, with empty experts first, in the middle and last, one heavy expert spanning many tiles,
-    and an expert count that is not a power of two."""
+    """``sort_slots`` against torch's stable sort: its one-program path (the slots fill one chunk: 128 at
+    128 experts) and its three kernels (chunk counts, runs, scatter) on routings that cross its chunk,
+    chunk-block (128 chunks at 96 experts) and tile-block boundaries, with empty experts first, in the
+    middle and last, one heavy expert spanning many tiles, and an expert count that is not a power of two."""
     from hal.kernels.moe import sort_slots
 
     g = torch.Generator().manual_seed(count)
     ids = torch.randint(1, max(2, experts - 1), (count, top_k), generator=g)
+    if count * top_k > 1000:
+        ids = ids.repeat(14, 1)                                  # > 128 chunks of 128 slots
     ids[: count // 3, 0] = experts // 2                       # one heavy expert
     ids[ids == experts // 3] = experts // 3 + 1               # and an empty one in the middle
     ids = ids.to(torch.int32)

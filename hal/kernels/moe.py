@@ -1,8 +1,9 @@
 """Mixture-of-experts kernels ([moe]; the steps are written out in ``hal/moe.py``): routing, and the
 grouped expert GEMM over token-sorted slots.
 
-Routing: one program per token row: the whole row of E router logits is one tile of E_PAD lanes, so
-nothing about a row's bits depends on the other rows or on the batch size.
+Routing: ROUTE_ROWS token rows per program, each row one tile row of E_PAD lanes reduced along its
+own lanes only: every row gets the same reduction tree whichever program and tile row it lands in,
+so nothing about a row's bits depends on the other rows or on the batch size.
 
 Grouped GEMM (``grouped_linear``): the (token, rank) slots are sorted by expert and each expert's run
 padded to whole BLOCK_M tiles (``sort_slots``, on the GPU, no host synchronisation); a program owns
@@ -40,64 +41,72 @@ from hal.kernels.policy import LaunchPolicy
 
 @triton.jit
 def _best(values, offs, BIG: tl.constexpr):
-    """(max of ``values``, the lowest lane holding it)."""
-    best = tl.max(values, axis=0)
-    return best, tl.min(tl.where(values == best, offs, BIG), axis=0)
+    """(each row's max of ``values`` (ROWS, L), the lowest lane holding it), both (ROWS, 1)."""
+    best = tl.max(values, axis=1, keep_dims=True)
+    return best, tl.min(tl.where(values == best, offs, BIG), axis=1, keep_dims=True)
 
 
-@triton.jit(do_not_specialize=["num_experts", "scaling"])
-def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, num_experts, stride_l, scaling,
+@triton.jit(do_not_specialize=["num_tokens", "num_experts", "scaling"])
+def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, num_tokens, num_experts, stride_l, scaling,
                   SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr, SCALE: tl.constexpr,
                   TOP_K: tl.constexpr, K_PAD: tl.constexpr, GROUPS: tl.constexpr, TOPK_GROUPS: tl.constexpr,
-                  GROUP_SIZE: tl.constexpr, G_PAD: tl.constexpr, E_PAD: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, E_PAD)
-    valid = offs < num_experts
-    x = tl.load(logits_ptr + row * stride_l + offs, mask=valid, other=float("-inf"))
+                  GROUP_SIZE: tl.constexpr, G_PAD: tl.constexpr, E_PAD: tl.constexpr, ROWS: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < num_tokens
+    offs = tl.arange(0, E_PAD)[None, :]
+    lane_ok = offs < num_experts
+    x = tl.load(logits_ptr + rows[:, None] * stride_l + offs, mask=row_ok[:, None] & lane_ok, other=0.0)
+    x = tl.where(lane_ok, x, float("-inf"))           # rows past the batch hold zeros: computed, never stored
     if SOFTMAX:
-        e = tl.where(valid, tl.exp(x - tl.max(x, axis=0)), 0.0)
-        scores = tl.div_rn(e, tl.sum(e, axis=0))
+        e = tl.where(lane_ok, tl.exp(x - tl.max(x, axis=1, keep_dims=True)), 0.0)
+        scores = tl.div_rn(e, tl.sum(e, axis=1, keep_dims=True))
     else:
         scores = tl.div_rn(1.0, 1.0 + tl.exp(-x))
     choice = scores
     if HAS_BIAS:
-        choice = choice + tl.load(bias_ptr + offs, mask=valid, other=0.0)
-    choice = tl.where(valid, choice, float("-inf"))
+        choice = choice + tl.load(bias_ptr + offs, mask=lane_ok, other=0.0)
+    choice = tl.where(lane_ok, choice, float("-inf"))
 
     if GROUPS > 1:
-        group_offs = tl.arange(0, G_PAD)
-        group_scores = tl.full((G_PAD,), float("-inf"), tl.float32)
+        group_offs = tl.arange(0, G_PAD)[None, :]
+        group_scores = tl.full((ROWS, G_PAD), float("-inf"), tl.float32)
         for g in tl.static_range(GROUPS):
             in_group = (offs >= g * GROUP_SIZE) & (offs < (g + 1) * GROUP_SIZE)
             first, at = _best(tl.where(in_group, choice, float("-inf")), offs, E_PAD)
-            second = tl.max(tl.where(in_group & (offs != at), choice, float("-inf")), axis=0)
+            second = tl.max(tl.where(in_group & (offs != at), choice, float("-inf")), axis=1, keep_dims=True)
             group_scores = tl.where(group_offs == g, first + second, group_scores)
-        kept = offs < 0                                   # all False
+        kept = tl.zeros((ROWS, E_PAD), tl.int32) != 0     # all False
         for _ in tl.static_range(TOPK_GROUPS):
             _, g = _best(group_scores, group_offs, G_PAD)
             kept = kept | ((offs >= g * GROUP_SIZE) & (offs < (g + 1) * GROUP_SIZE))
             group_scores = tl.where(group_offs == g, float("-inf"), group_scores)
         choice = tl.where(kept, choice, float("-inf"))    # selected out: never chosen
 
-    rank_offs = tl.arange(0, K_PAD)
-    weights = tl.zeros((K_PAD,), tl.float32)
-    ids = tl.zeros((K_PAD,), tl.int32)
+    rank_offs = tl.arange(0, K_PAD)[None, :]
+    weights = tl.zeros((ROWS, K_PAD), tl.float32)
+    ids = tl.zeros((ROWS, K_PAD), tl.int32)
     for r in tl.static_range(TOP_K):
         _, at = _best(choice, offs, E_PAD)
-        weight = tl.sum(tl.where(offs == at, scores, 0.0), axis=0)   # the one chosen lane: exact
+        weight = tl.sum(tl.where(offs == at, scores, 0.0), axis=1, keep_dims=True)   # the one chosen lane: exact
         weights = tl.where(rank_offs == r, weight, weights)
         ids = tl.where(rank_offs == r, at, ids)
         choice = tl.where(offs == at, float("-inf"), choice)
     if RENORMALIZE:
-        total = tl.sum(tl.where(rank_offs == 0, weights, 0.0), axis=0)
+        total = tl.sum(tl.where(rank_offs == 0, weights, 0.0), axis=1, keep_dims=True)
         for r in tl.static_range(1, TOP_K):
-            total = total + tl.sum(tl.where(rank_offs == r, weights, 0.0), axis=0)
+            total = total + tl.sum(tl.where(rank_offs == r, weights, 0.0), axis=1, keep_dims=True)
         weights = tl.div_rn(weights, total)
     if SCALE:
         weights = weights * scaling
-    keep = rank_offs < TOP_K
-    tl.store(weights_ptr + row * TOP_K + rank_offs, weights, mask=keep)
-    tl.store(ids_ptr + row * TOP_K + rank_offs, ids, mask=keep)
+    keep = row_ok[:, None] & (rank_offs < TOP_K)
+    tl.store(weights_ptr + rows[:, None] * TOP_K + rank_offs, weights, mask=keep)
+    tl.store(ids_ptr + rows[:, None] * TOP_K + rank_offs, ids, mask=keep)
+
+
+#: token rows per routing program: one per warp, so each row's reductions stay inside its warp (one
+#: row per program of four warps reduced through shared memory: 47 us at 8192 tokens on the H200,
+#: vLLM's topkGating 9 us). Fixed, never chosen by the batch: a row's tree is the same in any program.
+ROUTE_ROWS = 4
 
 
 def route(router_logits: torch.Tensor, routing, correction_bias: torch.Tensor | None,
@@ -112,12 +121,13 @@ def route(router_logits: torch.Tensor, routing, correction_bias: torch.Tensor | 
     ids = torch.empty(t, routing.top_k, dtype=torch.int32, device=logits.device)
     bias = correction_bias.float().contiguous() if correction_bias is not None else logits
     if t:
-        launch(_route_kernel, (t,), logits, bias, weights, ids, num_experts, logits.stride(0), float(routing.scaling),
+        launch(_route_kernel, (cdiv(t, ROUTE_ROWS),), logits, bias, weights, ids, t, num_experts, logits.stride(0),
+               float(routing.scaling),
                SOFTMAX=routing.scoring == "softmax", HAS_BIAS=correction_bias is not None,
                RENORMALIZE=routing.renormalize, SCALE=routing.scaling != 1.0, TOP_K=routing.top_k,
                K_PAD=next_power_of_2(routing.top_k), GROUPS=routing.num_groups, TOPK_GROUPS=routing.topk_groups,
                GROUP_SIZE=num_experts // routing.num_groups, G_PAD=next_power_of_2(routing.num_groups),
-               E_PAD=next_power_of_2(num_experts), num_warps=4, **LAUNCH)
+               E_PAD=next_power_of_2(num_experts), ROWS=ROUTE_ROWS, num_warps=ROUTE_ROWS, **LAUNCH)
     return weights, ids
 
 
@@ -248,6 +258,59 @@ def _slot_counts_kernel(ids_ptr, counts_ptr, slots, CHUNK: tl.constexpr, E_PAD: 
 
 
 @triton.jit
+def _runs(counts, BLOCK_M: tl.constexpr):
+    """Each expert's run of whole tiles from its slot count (lanes past the experts: 0 slots, empty runs):
+    (run_start, run_end)."""
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    run_end = tl.cumsum(padded, axis=0)
+    return run_end - padded, run_end
+
+
+@triton.jit
+def _store_run_padding(token_ptr, run_start, run_end, counts, BLOCK_M: tl.constexpr):
+    """token -1 at the padding positions at the end of each expert's run."""
+    pad = run_start[:, None] + counts[:, None] + tl.arange(0, BLOCK_M)[None, :]
+    tl.store(token_ptr + pad, tl.full(pad.shape, -1, tl.int32), mask=pad < run_end[:, None])
+
+
+@triton.jit
+def _store_tile_experts(run_end, tile_expert_ptr, token_ptr, tiles, num_tiles, num_experts, BLOCK_M: tl.constexpr):
+    """The expert of each of ``tiles``: how many runs end at or before its first position (empty runs
+    included); -1, and token -1 over the whole tile, past the last run."""
+    first = tiles * BLOCK_M
+    ended = tl.sum((run_end[None, :] <= first[:, None]).to(tl.int32), axis=1)
+    expert = tl.where(ended < num_experts, ended, -1)
+    tl.store(tile_expert_ptr + tiles, expert, mask=tiles < num_tiles)
+    unused = first[:, None] + tl.arange(0, BLOCK_M)[None, :]
+    tl.store(token_ptr + unused, tl.full(unused.shape, -1, tl.int32),
+             mask=(tiles[:, None] < num_tiles) & (expert[:, None] < 0))
+
+
+@triton.jit
+def _store_slots(token_ptr, position_ptr, j, position, slots, TOP_K: tl.constexpr):
+    valid = j < slots
+    tl.store(position_ptr + j, position.to(tl.int64), mask=valid)
+    tl.store(token_ptr + position, (j // TOP_K).to(tl.int32), mask=valid)
+
+
+@triton.jit
+def _slot_sort_one_program(ids_ptr, token_ptr, position_ptr, tile_expert_ptr, slots, num_experts, num_tiles,
+                           TOP_K: tl.constexpr, CHUNK: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                           TILE_BLOCK: tl.constexpr):
+    """The whole sort in one program when every slot fits one chunk (decode batches: three launches
+    cost more than the work)."""
+    j, e, onehot = _one_hot(ids_ptr, 0, slots, CHUNK, E_PAD)
+    counts = tl.sum(onehot, axis=0)
+    run_start, run_end = _runs(counts, BLOCK_M)
+    _store_run_padding(token_ptr, run_start, run_end, counts, BLOCK_M)
+    rank = tl.sum((tl.cumsum(onehot, axis=0) - onehot) * onehot, axis=1)
+    _store_slots(token_ptr, position_ptr, j, tl.sum(onehot * run_start[None, :], axis=1) + rank, slots, TOP_K)
+    for t0 in range(0, num_tiles, TILE_BLOCK):
+        _store_tile_experts(run_end, tile_expert_ptr, token_ptr, t0 + tl.arange(0, TILE_BLOCK), num_tiles,
+                            num_experts, BLOCK_M)
+
+
+@triton.jit
 def _slot_runs_kernel(counts_ptr, base_ptr, run_start_ptr, run_end_ptr, token_ptr, chunks,
                       BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK_BLOCK: tl.constexpr):
     """One program: base[c, e] = expert e's slots in chunks before c; each expert's run of whole tiles
@@ -261,13 +324,10 @@ def _slot_runs_kernel(counts_ptr, base_ptr, run_start_ptr, run_end_ptr, token_pt
         counts = tl.load(counts_ptr + at, mask=c[:, None] < chunks, other=0)
         tl.store(base_ptr + at, running[None, :] + tl.cumsum(counts, axis=0) - counts, mask=c[:, None] < chunks)
         running += tl.sum(counts, axis=0)
-    padded = (running + BLOCK_M - 1) // BLOCK_M * BLOCK_M     # lanes past num_experts: 0 slots, empty runs
-    run_end = tl.cumsum(padded, axis=0)
-    run_start = run_end - padded
+    run_start, run_end = _runs(running, BLOCK_M)
     tl.store(run_start_ptr + experts, run_start)
     tl.store(run_end_ptr + experts, run_end)
-    pad = run_start[:, None] + running[:, None] + tl.arange(0, BLOCK_M)[None, :]
-    tl.store(token_ptr + pad, tl.full(pad.shape, -1, tl.int32), mask=pad < run_end[:, None])
+    _store_run_padding(token_ptr, run_start, run_end, running, BLOCK_M)
 
 
 @triton.jit
@@ -276,36 +336,27 @@ def _slot_scatter_kernel(ids_ptr, base_ptr, run_start_ptr, run_end_ptr, token_pt
                          E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, TILE_BLOCK: tl.constexpr):
     """Program c: the sorted position of each slot of chunk c (its expert's run start + the expert's
     slots in earlier chunks + the earlier slots of its own chunk with that expert: a stable counting
-    sort), and the experts of tiles [c TILE_BLOCK, (c + 1) TILE_BLOCK) (-1 and token -1 past the last run)."""
+    sort), and the experts of tiles [c TILE_BLOCK, (c + 1) TILE_BLOCK)."""
     c = tl.program_id(0)
     if c < chunks:
         j, e, onehot = _one_hot(ids_ptr, c, slots, CHUNK, E_PAD)
         rank = tl.sum((tl.cumsum(onehot, axis=0) - onehot) * onehot, axis=1)
-        valid = j < slots
-        e = tl.where(valid, e, 0)
+        e = tl.where(j < slots, e, 0)
         position = tl.load(run_start_ptr + e) + tl.load(base_ptr + c * E_PAD + e) + rank
-        tl.store(position_ptr + j, position.to(tl.int64), mask=valid)
-        tl.store(token_ptr + position, (j // TOP_K).to(tl.int32), mask=valid)
-    tiles = c * TILE_BLOCK + tl.arange(0, TILE_BLOCK)
+        _store_slots(token_ptr, position_ptr, j, position, slots, TOP_K)
     if c * TILE_BLOCK < num_tiles:
-        first = tiles * BLOCK_M
-        run_end = tl.load(run_end_ptr + tl.arange(0, E_PAD))
-        # the tile's expert: how many runs end at or before its first position (empty runs included)
-        ended = tl.sum((run_end[None, :] <= first[:, None]).to(tl.int32), axis=1)
-        expert = tl.where(ended < num_experts, ended, -1)
-        tl.store(tile_expert_ptr + tiles, expert, mask=tiles < num_tiles)
-        unused = first[:, None] + tl.arange(0, BLOCK_M)[None, :]
-        tl.store(token_ptr + unused, tl.full(unused.shape, -1, tl.int32),
-                 mask=(tiles[:, None] < num_tiles) & (expert[:, None] < 0))
+        _store_tile_experts(tl.load(run_end_ptr + tl.arange(0, E_PAD)), tile_expert_ptr, token_ptr,
+                            c * TILE_BLOCK + tl.arange(0, TILE_BLOCK), num_tiles, num_experts, BLOCK_M)
 
 
 def sort_slots(ids: torch.Tensor, num_experts: int, block_m: int) -> SortedSlots:
     """Sort the slots by expert on the device, without a host synchronisation (so a CUDA graph can
     capture it): the padded length is the bound T*k + E*(block_m - 1) rounded up to a tile, whatever
-    the routing. A stable counting sort in three kernels (per-chunk expert counts; one program for
-    the runs, padding and tiles; the scatter), not ``torch.sort`` + ``searchsorted`` (about ten
-    kernels: 20-40 us at 1-64 tokens on the H200). The order of the slots inside an expert's run does
-    not change any bits (each row is its own GEMM); it is the stable order anyway."""
+    the routing. A stable counting sort: one program when the slots fit one chunk, else three kernels
+    (per-chunk expert counts; one program for the runs and their padding; the scatter and the tiles'
+    experts), not ``torch.sort`` + ``searchsorted`` (about ten kernels: 20-40 us at 1-64 tokens on the
+    H200). The order of the slots inside an expert's run does not change any bits (each row is its own
+    GEMM); it is the stable order anyway."""
     t, k = ids.shape
     device = ids.device
     slots = t * k
@@ -315,17 +366,22 @@ def sort_slots(ids: torch.Tensor, num_experts: int, block_m: int) -> SortedSlots
     total = -(-(slots + num_experts * (block_m - 1)) // block_m) * block_m
     num_tiles = total // block_m
     flat = ids.reshape(-1).to(torch.int32).contiguous()
+    token = torch.empty(total, dtype=torch.int32, device=device)
+    position = torch.empty(slots, dtype=torch.long, device=device)
+    tile_expert = torch.empty(num_tiles, dtype=torch.int32, device=device)
+    if chunks == 1:
+        launch(_slot_sort_one_program, (1,), flat, token, position, tile_expert, slots, num_experts, num_tiles,
+               TOP_K=k, CHUNK=chunk, E_PAD=e_pad, BLOCK_M=block_m, TILE_BLOCK=max(16, 4096 // max(e_pad, block_m)),
+               num_warps=8, **LAUNCH)
+        return SortedSlots(block_m, token, position.view(t, k), tile_expert)
     counts = torch.empty((chunks, e_pad), dtype=torch.int32, device=device)
     base = torch.empty_like(counts)
     run_start = torch.empty(e_pad, dtype=torch.int32, device=device)
     run_end = torch.empty_like(run_start)
-    token = torch.empty(total, dtype=torch.int32, device=device)
-    position = torch.empty(slots, dtype=torch.long, device=device)
-    tile_expert = torch.empty(num_tiles, dtype=torch.int32, device=device)
     tile_block = 16
     launch(_slot_counts_kernel, (chunks,), flat, counts, slots, CHUNK=chunk, E_PAD=e_pad, num_warps=4, **LAUNCH)
     launch(_slot_runs_kernel, (1,), counts, base, run_start, run_end, token, chunks, BLOCK_M=block_m, E_PAD=e_pad,
-           CHUNK_BLOCK=max(1, 8192 // e_pad), num_warps=8, **LAUNCH)
+           CHUNK_BLOCK=max(1, 16384 // e_pad), num_warps=8, **LAUNCH)
     launch(_slot_scatter_kernel, (max(chunks, cdiv(num_tiles, tile_block)),), flat, base, run_start, run_end, token,
            position, tile_expert, slots, chunks, num_experts, num_tiles, TOP_K=k, CHUNK=chunk, E_PAD=e_pad,
            BLOCK_M=block_m, TILE_BLOCK=tile_block, num_warps=4, **LAUNCH)
