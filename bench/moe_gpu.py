@@ -234,7 +234,7 @@ def sweep(cuda, tokens, shape):
             slots = kernels.sort_slots(ids, e, bm)
 
             def gate_up(cfg):
-                return kernels.grouped_linear(x, w["w13"], slots.token, slots, x.dtype, spec, cfg, gated=True)
+                return kernels.gate_up(x, w["w13"], slots, spec, cfg)
             gate_times = fastest("gate", gate_up, kernels.candidates(bm, gated=True), slots)
             if not gate_times:
                 continue
@@ -252,7 +252,7 @@ def sweep(cuda, tokens, shape):
         best = per_bm[bm]
         slots = kernels.sort_slots(ids, e, bm)
         gate, down_cfg = best["gate"], best["down"]
-        act = kernels.grouped_linear(x, w["w13"], slots.token, slots, x.dtype, spec, gate, gated=True)
+        act = kernels.gate_up(x, w["w13"], slots, spec, gate)
         wide = dict(gate, BLOCK_N=2 * gate["BLOCK_N"])
         gate_up = kernels.grouped_linear(x, w["w13"], slots.token, slots, x.dtype, spec, wide)
         one_chunk = dataclasses.replace(spec, k_chunk=1 << 20)
@@ -264,8 +264,8 @@ def sweep(cuda, tokens, shape):
                                                                        spec, wide)),
             "silu_mul_us": timed(lambda: cuda.silu_mul(gate_up)),
             "unfused_bits_equal": bool(torch.equal(cuda.silu_mul(gate_up)[slots.position], act[slots.position])),
-            "one_chunk_gate_us": timed(lambda: kernels.grouped_linear(x, w["w13"], slots.token, slots, x.dtype,
-                                                                      one_chunk, gate, gated=True)),
+            "one_chunk_gate_us": timed(lambda: kernels.gate_up(x, w["w13"], slots, one_chunk, gate)),
+            "gather_rows_us": timed(lambda: kernels.gather_rows(x, slots)),
             "one_chunk_down_us": timed(lambda: kernels.grouped_linear(act, w["w2"], slots.token, slots, torch.float32,
                                                                       one_chunk, down_cfg, x_sorted=True)),
             "dense_gate_up_us": timed(lambda: cuda.linear(xs, w13_0)),
@@ -291,7 +291,8 @@ def sweep(cuda, tokens, shape):
                "default": kernels.grouped_configs(valid, e), "diagnosis": diagnosis}
         print(json.dumps(row), flush=True)
         print(f"  T={t}: gate/up {best['gate_us']:.1f} us + down {best['down_us']:.1f} us at {bm} tile rows "
-              f"(sort {best['sort_us']:.1f} us); unfused gate/up {diagnosis['unfused_gate_up_us']:.1f} + silu_mul "
+              f"(sort {best['sort_us']:.1f} us, rows gathered into sorted order {diagnosis['gather_rows_us']:.1f} us); "
+              f"unfused gate/up {diagnosis['unfused_gate_up_us']:.1f} + silu_mul "
               f"{diagnosis['silu_mul_us']:.1f}; one K chunk: {diagnosis['one_chunk_gate_us']:.1f} + "
               f"{diagnosis['one_chunk_down_us']:.1f}; dense GEMM on {valid} rows: "
               f"{diagnosis['dense_gate_up_us']:.1f} + "

@@ -368,21 +368,39 @@ def test_cuda_slot_sort_is_the_stable_counting_sort(cuda, experts, top_k, count,
     assert torch.equal(tile_expert, torch.where(expected_tiles < experts, expected_tiles, -1))
 
 
+def test_cuda_gather_rows_puts_each_token_row_at_its_sorted_positions(cuda):
+    """``gather_rows`` (the gate/up GEMM's sorted copy of its input) holds at every sorted position of a
+    slot exactly its token's row, across its 16-row programs and a K that is not a whole column block;
+    with ``gather`` the gated GEMM runs from that copy (the candidate test checks its bits)."""
+    from hal.kernels import moe as kernels
+
+    x = tokens(torch.bfloat16, count=11, hidden=700)
+    ids = torch.randint(0, E, (11, 3), generator=torch.Generator().manual_seed(3)).to(torch.int32)
+    slots = kernels.sort_slots(ids, E, 16)
+    copied = kernels.gather_rows(x, slots)
+    assert copied.shape == (slots.positions, 700)
+    token = slots.token.long()
+    assert torch.equal(copied[token >= 0], x[token[token >= 0]])
+    assert torch.equal(copied[slots.position.flatten()], x.repeat_interleave(3, dim=0))
+    assert any(c.get("gather") for c in kernels.candidates(64, True))
+
+
 def _grouped_outputs(cuda, x, w, ids, gate, down, spec=None):
     """(act, down rows) of the two grouped GEMMs at these launches, per (token, rank) slot."""
     from hal.kernels import moe as kernels
 
     spec = spec or cuda.contract.gemm
     slots = kernels.sort_slots(ids, E, gate["BLOCK_M"])
-    act = kernels.grouped_linear(x, w["w13"], slots.token, slots, x.dtype, spec, gate, gated=True)
+    act = kernels.gate_up(x, w["w13"], slots, spec, gate)
     rows = kernels.grouped_linear(act, w["w2"], slots.token, slots, torch.float32, spec, down, x_sorted=True)
     return act[slots.position], rows[slots.position]
 
 
 def test_every_moe_tuner_candidate_gives_the_same_bits(cuda):
     """The MoE tuner's whole candidate set (``moe.candidates`` at every tile-row count of ``moe.TILE_ROWS``,
-    gated gate/up and down; the tile shapes: warps, stages and descriptor loads do nothing under the
-    interpreter, bench/moe_gpu.py --sweep checks the same list on the GPU) gives every slot the bits of the
+    gated gate/up and down; the tile shapes, and the gate/up GEMM with its rows gathered into sorted order
+    first; warps, stages and descriptor loads do nothing under the interpreter, bench/moe_gpu.py --sweep
+    checks the same list on the GPU) gives every slot the bits of the
     kernel's own launch, with the hidden size across the 512 K chunk. Negative control: the same launch
     under a contract with half the K chunk gives other gate/up bits, so the comparison sees a reduction
     change."""
@@ -395,7 +413,8 @@ def test_every_moe_tuner_candidate_gives_the_same_bits(cuda):
     own = _grouped_outputs(cuda, x, w, ids, *kernels.grouped_configs(ids.numel(), E))
     tried = 0
     for bm in kernels.TILE_ROWS:
-        shapes = lambda gated: {(c["BLOCK_N"], c["BLOCK_K"]): c for c in kernels.candidates(bm, gated)}.values()
+        shapes = lambda gated: {(c["BLOCK_N"], c["BLOCK_K"], c.get("gather")): c
+                                for c in kernels.candidates(bm, gated)}.values()
         down = kernels.candidates(bm, False)[0]
         for gate in shapes(True):
             assert torch.equal(_grouped_outputs(cuda, x, w, ids, gate, down)[0], own[0]), gate

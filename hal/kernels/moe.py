@@ -398,7 +398,7 @@ GROUPED_CONFIGS = [
      dict(BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3)),
     (48, 32, dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4),
      dict(BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3)),
-    (None, 64, dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3, tma=True),
+    (None, 64, dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3, tma=True, gather=True),
      dict(BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4, tma=True)),
 ]
 INTERPRETER_CONFIG = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=1)
@@ -423,18 +423,22 @@ CANDIDATE_WIDTHS = {16: ((32, 64, 128), (64, 128, 256)), 32: ((64, 128), (128, 2
 
 def candidates(block_m: int, gated: bool) -> list[dict]:
     """Launch configurations of one grouped GEMM at ``block_m`` tile rows (free: the bits do not depend on
-    them; the H200 sweep of session 15 checked all 140 at Qwen3-30B-A3B's shape): column widths, BLOCK_K, warps,
-    stages, descriptor loads. A gated column reduces two weight rows, so it counts twice for the warps
-    (four fp32 tiles per program): 8 warps above 128 x 128 of MMA work, both at it, 4 below."""
+    them; bench/moe_gpu.py --sweep checks every one at Qwen3-30B-A3B's shape): column widths, BLOCK_K,
+    warps, stages, descriptor loads, the gate/up GEMM's sorted copy of the rows. A gated column reduces two
+    weight rows, so it counts twice for the warps (four fp32 tiles per program): 8 warps above 128 x 128 of
+    MMA work, both at it, 4 below."""
+    # how A and W are read: by pointer, W by descriptor, and (gated) the rows gathered into sorted order
+    # first and then both by descriptor (``gate_up``); the down GEMM's A is sorted already
+    loads = ((False, False), (True, False), (True, True)) if gated else ((False, False), (True, False))
     out = []
     for bn in CANDIDATE_WIDTHS[block_m][0 if gated else 1]:
         work = block_m * bn * (2 if gated else 1)
         for warps in ((4, 8) if work == 128 * 128 else (8,) if work > 128 * 128 else (4,)):
             for bk in ((64,) if work >= 128 * 128 else (64, 128)):
                 for stages in (3, 4):
-                    for tma in (False, True):
+                    for tma, gather in loads:
                         out.append(dict(BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
-                                        tma=tma))
+                                        tma=tma, **(dict(gather=gather) if gated else {})))
     return out
 
 
@@ -484,6 +488,50 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor, so
            BLOCK_K=cfg["BLOCK_K"],
            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **LAUNCH)
     return out
+
+
+@triton.jit
+def _gather_rows_kernel(x_ptr, token_ptr, out_ptr, positions, K, stride_x, stride_o, ROWS: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
+    """out[p] = x[token[p]] for ROWS sorted positions per program; padding positions (token -1) are
+    left as they are (``gather_rows``)."""
+    p = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    token = tl.load(token_ptr + p, mask=p < positions, other=-1)
+    ok = token >= 0
+    src = x_ptr + tl.where(ok, token, 0).to(tl.int64)[:, None] * stride_x
+    dst = out_ptr + p.to(tl.int64)[:, None] * stride_o
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)[None, :]
+        mask = ok[:, None] & (ks < K)
+        tl.store(dst + ks, tl.load(src + ks, mask=mask), mask=mask)
+
+
+def gather_rows(x: torch.Tensor, sorted_slots: SortedSlots) -> torch.Tensor:
+    """(P, K): row p is x[token[p]], the token at sorted position p; padding rows are never written (nothing
+    stores their GEMM rows). A copy, so every slot's row holds the same values: the gate/up GEMM reads
+    it as the down GEMM reads its input, contiguous tiles by descriptor (``gate_up``'s ``gather``).
+    Not ``index_select``: that would copy a row for every padding position too (up to E*(BLOCK_M-1))."""
+    p, k = sorted_slots.positions, x.shape[1]
+    x = x.contiguous()
+    out = (torch.zeros if INTERPRET else torch.empty)((p, k), device=x.device, dtype=x.dtype)
+    if p and k:
+        rows = 16
+        launch(_gather_rows_kernel, (cdiv(p, rows),), x, sorted_slots.token, out, p, k, x.stride(0), out.stride(0),
+               ROWS=rows, BLOCK_K=min(512, next_power_of_2(k)), num_warps=4, **LAUNCH)
+    return out
+
+
+def gate_up(x: torch.Tensor, w13: torch.Tensor, sorted_slots: SortedSlots, spec: Gemm, cfg: dict) -> torch.Tensor:
+    """The gated gate/up grouped GEMM of ``experts`` ((P, N) activations in x's dtype). ``cfg["gather"]``:
+    first copy the tokens' rows into sorted order (``gather_rows``) so the GEMM reads A as contiguous tiles
+    (by descriptor with ``cfg["tma"]``) instead of gathering rows by pointer in its K loop: the same values in
+    the same MMAs, so the same bits; a launch choice like the tiles (H200 session 15: the pointer-gathered
+    GEMM took 1.4x the dense GEMM on as many rows at 8192 Qwen3-30B-A3B tokens, the down GEMM, which
+    reads sorted rows by descriptor, 1.04x)."""
+    if cfg.get("gather", False):
+        return grouped_linear(gather_rows(x, sorted_slots), w13, sorted_slots.token, sorted_slots, x.dtype, spec,
+                              cfg, x_sorted=True, gated=True)
+    return grouped_linear(x, w13, sorted_slots.token, sorted_slots, x.dtype, spec, cfg, gated=True)
 
 
 @triton.jit
@@ -547,7 +595,7 @@ def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: 
         raise UnsupportedError(f"grouped GEMM: the gate/up and down launches need the same BLOCK_M "
                                f"({gate_cfg['BLOCK_M']} != {cfg['BLOCK_M']}): the slots are sorted into its tiles")
     slots = sort_slots(topk_ids, num_experts, cfg["BLOCK_M"])
-    act = grouped_linear(x, w13, slots.token, slots, x.dtype, spec, gate_cfg, gated=True)
+    act = gate_up(x, w13, slots, spec, gate_cfg)
     # the down projection reads the activations in sorted order: row p of act is position p
     down = grouped_linear(act, w2, slots.token, slots, torch.float32, spec, cfg, x_sorted=True)
     return combine(down, slots.position, topk_weights, shared, x.dtype)

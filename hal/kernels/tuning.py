@@ -206,7 +206,7 @@ def tune_moe(layers: Iterable[tuple[int, int, int, int, int]], spec: Gemm, *, dt
         default_ms = timer(layer)
         own_gate, own_down = moe.grouped_configs(tokens * top_k, e)
         slots = moe.sort_slots(ids, e, own_gate["BLOCK_M"])
-        act_ref = moe.grouped_linear(x, w13, slots.token, slots, dtype, spec, own_gate, gated=True)
+        act_ref = moe.gate_up(x, w13, slots, spec, own_gate)
         down_ref = moe.grouped_linear(act_ref, w2, slots.token, slots, torch.float32, spec, own_down, x_sorted=True)
         act_ref, down_ref = act_ref[slots.position], down_ref[slots.position]      # per slot
         best, tried, skipped = None, 0, 0
@@ -214,7 +214,7 @@ def tune_moe(layers: Iterable[tuple[int, int, int, int, int]], spec: Gemm, *, dt
             slots = moe.sort_slots(ids, e, bm)
 
             def gate_up(c):
-                return moe.grouped_linear(x, w13, slots.token, slots, dtype, spec, c, gated=True)
+                return moe.gate_up(x, w13, slots, spec, c)
             gate = _fastest_launch(f"gate/up grouped GEMM ({tokens} tokens, {e} experts)", gate_up,
                                    moe.candidates(bm, True), act_ref, slots.position, timer)
             act = gate_up(gate[0]) if gate[0] is not None else None
