@@ -399,7 +399,7 @@ def _grouped_outputs(cuda, x, w, ids, gate, down, spec=None):
 def test_every_moe_tuner_candidate_gives_the_same_bits(cuda):
     """The MoE tuner's whole candidate set (``moe.candidates`` at every tile-row count of ``moe.TILE_ROWS``,
     gated gate/up and down; the tile shapes, and the gate/up GEMM with its rows gathered into sorted order
-    first; warps, stages and descriptor loads do nothing under the interpreter, bench/moe_gpu.py --sweep
+    first and as one MMA over gate and up rows (``wide``); warps, stages and descriptor loads do nothing under the interpreter, bench/moe_gpu.py --sweep
     checks the same list on the GPU) gives every slot the bits of the
     kernel's own launch, with the hidden size across the 512 K chunk. Negative control: the same launch
     under a contract with half the K chunk gives other gate/up bits, so the comparison sees a reduction
@@ -413,7 +413,7 @@ def test_every_moe_tuner_candidate_gives_the_same_bits(cuda):
     own = _grouped_outputs(cuda, x, w, ids, *kernels.grouped_configs(ids.numel(), E))
     tried = 0
     for bm in kernels.TILE_ROWS:
-        shapes = lambda gated: {(c["BLOCK_N"], c["BLOCK_K"], c.get("gather")): c
+        shapes = lambda gated: {(c["BLOCK_N"], c["BLOCK_K"], c.get("gather"), c.get("wide")): c
                                 for c in kernels.candidates(bm, gated)}.values()
         down = kernels.candidates(bm, False)[0]
         for gate in shapes(True):

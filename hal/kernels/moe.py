@@ -154,18 +154,68 @@ def _dot_step(a, w, w_e, w_row, offs_n, ks, k0, N, K, stride_wn, acc, FP32_INPUT
 
 
 @triton.jit
+def _wide_gated(x, w, rows, row_ok, out_ptr, pid_m, pid_n, expert, N, K, stride_xm, stride_we, stride_wn, stride_om,
+                offs_m, K_CHUNK: tl.constexpr, OUT_BF16: tl.constexpr, FP32_INPUTS: tl.constexpr, UPCAST: tl.constexpr,
+                W_TMA: tl.constexpr, X_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr):
+    """The GATED program of ``_grouped_gemm_kernel`` with WIDE: output column c < BLOCK_N is gate column
+    pid_n BLOCK_N + c, column BLOCK_N + c its up column; K reduced as there (chunk sums from +0, added in
+    ascending order), then the same epilogue."""
+    offs_c = tl.arange(0, 2 * BLOCK_N)
+    col = pid_n * BLOCK_N + offs_c % BLOCK_N              # the gate/up column of each MMA column
+    w_rows = (offs_c // BLOCK_N) * N + col                # its weight row inside the expert's [gate; up]
+    w_e = w
+    if not W_TMA:
+        w_e = w + expert.to(tl.int64) * stride_we
+    offs_k = tl.arange(0, BLOCK_K)
+    total = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + offs_k
+        if X_TMA:
+            a = x.load([pid_m * BLOCK_M, k0])
+        else:
+            a = tl.load(x + rows.to(tl.int64)[:, None] * stride_xm + ks[None, :],
+                        mask=row_ok[:, None] & (ks[None, :] < K), other=0.0)
+        if W_TMA:
+            b = w.load([2 * expert, pid_n * BLOCK_N, k0]).reshape(2 * BLOCK_N, BLOCK_K).T
+        else:
+            b = tl.load(w_e + w_rows[None, :] * stride_wn + ks[:, None],
+                        mask=(col[None, :] < N) & (ks[:, None] < K), other=0.0)
+        if UPCAST:  # the interpreter cannot do bf16 arithmetic; the upcast is exact
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        if FP32_INPUTS or UPCAST:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+        if ((k0 + BLOCK_K) % K_CHUNK == 0) | (k0 + BLOCK_K >= K):   # the chunk's last step
+            total = total + acc
+            acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+    rounded = to_activation(total, OUT_BF16).to(tl.float32)
+    # column h BLOCK_N + j -> [j, h]: the gate (h = 0) and up (h = 1) halves, moved, not computed
+    gate, up = tl.split(tl.permute(tl.reshape(rounded, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :],
+             to_activation(silu_mul_f32(gate, up), OUT_BF16), mask=row_ok[:, None] & (offs_n[None, :] < N))
+
+
+@triton.jit
 def _grouped_gemm_kernel(x, w, rows_ptr, tile_expert_ptr, out_ptr, num_tiles, N, K,
                          stride_xm, stride_we, stride_wn, stride_om,
                          K_CHUNK: tl.constexpr, OUT_BF16: tl.constexpr, FP32_INPUTS: tl.constexpr,
                          UPCAST: tl.constexpr, W_TMA: tl.constexpr, X_TMA: tl.constexpr, X_SORTED: tl.constexpr,
-                         GATED: tl.constexpr,
+                         GATED: tl.constexpr, WIDE: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """out[p] = x[rows[p]] @ w[e].T for the sorted positions p of each tile (e: the tile's expert).
     GATED (the gate/up projection, w[e] = [gate; up] of 2N rows): the program also reduces the up
     rows N + n of its gate columns n, beside them in the same K loop (the same A tiles), and stores
     ``silu_mul`` of the two rounded results: act[p, n] = round(silu(round(g)) * round(u)), the bits of
     the gate/up linear rounded to the activation dtype and then the row kernel, without writing
-    the (P, 2N) gate/up rows.
+    the (P, 2N) gate/up rows. WIDE (GATED only): one dot over the 2 BLOCK_N rows [gate; up] instead of
+    two of BLOCK_N (one MMA twice as wide: the A tile is read once per step, not twice); each output
+    column is still its own dot, so the bits are the same; with W_TMA ``w`` is then a descriptor of the
+    (2E, N, K) view with (2, BLOCK_N, BLOCK_K) blocks, the expert's gate and up rows in one load.
     W_TMA: ``w`` is a tensor descriptor of the (E*N, K) view with (BLOCK_N, BLOCK_K) blocks; a tile
     past N reads the next expert's rows into columns that are never stored (each output column is
     its own dot). X_TMA (the down projection, whose rows are the sorted positions themselves): ``x``
@@ -192,36 +242,41 @@ def _grouped_gemm_kernel(x, w, rows_ptr, tile_expert_ptr, out_ptr, num_tiles, N,
         if not W_TMA:
             w_e = w + expert.to(tl.int64) * stride_we
             w_up = w_e + N * stride_wn
-        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        total_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)    # GATED only
-        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            ks = k0 + offs_k
-            if X_TMA:
-                a = x.load([pid_m * BLOCK_M, k0])
-            else:
-                a = tl.load(x + rows.to(tl.int64)[:, None] * stride_xm + ks[None, :],
-                            mask=row_ok[:, None] & (ks[None, :] < K), other=0.0)
-            if UPCAST:  # the interpreter cannot do bf16 arithmetic; the upcast is exact
-                a = a.to(tl.float32)
-            acc = _dot_step(a, w, w_e, expert * (2 * N if GATED else N) + pid_n * BLOCK_N, offs_n, ks, k0, N, K,
-                            stride_wn, acc, FP32_INPUTS, UPCAST, W_TMA)
-            if GATED:
-                acc_up = _dot_step(a, w, w_up, expert * 2 * N + N + pid_n * BLOCK_N, offs_n, ks, k0,
-                                   N, K, stride_wn, acc_up, FP32_INPUTS, UPCAST, W_TMA)
-            if ((k0 + BLOCK_K) % K_CHUNK == 0) | (k0 + BLOCK_K >= K):   # the chunk's last step
-                total = total + acc
-                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if WIDE:
+            _wide_gated(x, w, rows, row_ok, out_ptr, pid_m, pid_n, expert, N, K, stride_xm, stride_we, stride_wn,
+                        stride_om, offs_m, K_CHUNK, OUT_BF16, FP32_INPUTS, UPCAST, W_TMA, X_TMA, BLOCK_M, BLOCK_N,
+                        BLOCK_K)
+        else:
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            total_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)    # GATED only
+            acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                ks = k0 + offs_k
+                if X_TMA:
+                    a = x.load([pid_m * BLOCK_M, k0])
+                else:
+                    a = tl.load(x + rows.to(tl.int64)[:, None] * stride_xm + ks[None, :],
+                                mask=row_ok[:, None] & (ks[None, :] < K), other=0.0)
+                if UPCAST:  # the interpreter cannot do bf16 arithmetic; the upcast is exact
+                    a = a.to(tl.float32)
+                acc = _dot_step(a, w, w_e, expert * (2 * N if GATED else N) + pid_n * BLOCK_N, offs_n, ks, k0, N, K,
+                                stride_wn, acc, FP32_INPUTS, UPCAST, W_TMA)
                 if GATED:
-                    total_up = total_up + acc_up
-                    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if GATED:
-            gate = to_activation(total, OUT_BF16).to(tl.float32)
-            up = to_activation(total_up, OUT_BF16).to(tl.float32)
-            total = silu_mul_f32(gate, up)
-        tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :],
-                 to_activation(total, OUT_BF16), mask=row_ok[:, None] & (offs_n[None, :] < N))
+                    acc_up = _dot_step(a, w, w_up, expert * 2 * N + N + pid_n * BLOCK_N, offs_n, ks, k0,
+                                       N, K, stride_wn, acc_up, FP32_INPUTS, UPCAST, W_TMA)
+                if ((k0 + BLOCK_K) % K_CHUNK == 0) | (k0 + BLOCK_K >= K):   # the chunk's last step
+                    total = total + acc
+                    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                    if GATED:
+                        total_up = total_up + acc_up
+                        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            if GATED:
+                gate = to_activation(total, OUT_BF16).to(tl.float32)
+                up = to_activation(total_up, OUT_BF16).to(tl.float32)
+                total = silu_mul_f32(gate, up)
+            tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :],
+                     to_activation(total, OUT_BF16), mask=row_ok[:, None] & (offs_n[None, :] < N))
 
 
 @dataclass(frozen=True)
@@ -398,7 +453,7 @@ GROUPED_CONFIGS = [
      dict(BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3)),
     (48, 32, dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4),
      dict(BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3)),
-    (None, 64, dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3, tma=True, gather=True),
+    (None, 64, dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3, tma=True),
      dict(BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4, tma=True)),
 ]
 INTERPRETER_CONFIG = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=1)
@@ -418,7 +473,7 @@ def grouped_configs(slots: int, num_experts: int) -> tuple[dict, dict]:
 #: count the column widths of the gate/up (gated: 128 here is the MMA work of a 256-wide tile) and down GEMMs
 TILE_ROWS = (16, 32, 64, 128)
 CANDIDATE_WIDTHS = {16: ((32, 64, 128), (64, 128, 256)), 32: ((64, 128), (128, 256)), 64: ((64, 128), (128, 256)),
-                    128: ((32, 64), (128, 256))}
+                    128: ((32, 64, 128), (128, 256))}
 
 
 def candidates(block_m: int, gated: bool) -> list[dict]:
@@ -428,17 +483,20 @@ def candidates(block_m: int, gated: bool) -> list[dict]:
     weight rows, so it counts twice for the warps (four fp32 tiles per program): 8 warps above 128 x 128 of
     MMA work, both at it, 4 below."""
     # how A and W are read: by pointer, W by descriptor, and (gated) the rows gathered into sorted order
-    # first and then both by descriptor (``gate_up``); the down GEMM's A is sorted already
-    loads = ((False, False), (True, False), (True, True)) if gated else ((False, False), (True, False))
+    # first and then both by descriptor (``gate_up``); the down GEMM's A is sorted already. Gated, with
+    # descriptors: also as one MMA over the gate and up rows (``wide``)
+    loads = ([dict(tma=False, gather=False, wide=False)]
+             + [dict(tma=True, gather=gather, wide=wide) for gather in (False, True) for wide in (False, True)]
+             if gated else [dict(tma=False), dict(tma=True)])
     out = []
     for bn in CANDIDATE_WIDTHS[block_m][0 if gated else 1]:
         work = block_m * bn * (2 if gated else 1)
         for warps in ((4, 8) if work == 128 * 128 else (8,) if work > 128 * 128 else (4,)):
             for bk in ((64,) if work >= 128 * 128 else (64, 128)):
                 for stages in (3, 4):
-                    for tma, gather in loads:
+                    for load in loads:
                         out.append(dict(BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
-                                        tma=tma, **(dict(gather=gather) if gated else {})))
+                                        **load))
     return out
 
 
@@ -451,7 +509,8 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor, so
     whatever they hold reaches no slot's bits. x: (R, K); weight: (E, N, K). ``x_sorted``: x's row p is
     position p (``rows`` then only marks the padding, < 0): with ``cfg["tma"]`` x is read by descriptor too.
     ``cfg["tma"]``: the weights by descriptor where bf16 and aligned. ``gated``: weight is (E, 2N, K)
-    = [gate; up] and the result is ``silu_mul`` of the two rounded halves, (P, N) (the kernel's GATED)."""
+    = [gate; up] and the result is ``silu_mul`` of the two rounded halves, (P, N) (the kernel's GATED);
+    ``cfg["wide"]`` with it: one MMA over a column tile's gate and up rows (the kernel's WIDE)."""
     e, n, k = weight.shape
     if gated:
         n //= 2
@@ -470,10 +529,14 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor, so
     rows_of_w = weight.view(e * weight.shape[1], k)
     w_tma = cfg.get("tma", False) and not INTERPRET and _tma_ok(rows_of_w)
     x_tma = w_tma and x_sorted and _tma_ok(x)
+    wide = gated and cfg.get("wide", False)
     if w_tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        w_arg = TensorDescriptor.from_tensor(rows_of_w, [cfg["BLOCK_N"], cfg["BLOCK_K"]])
+        if wide:      # (2E, N, K): block [2e, n, k] holds expert e's gate rows n.. and its up rows n..
+            w_arg = TensorDescriptor.from_tensor(weight.view(2 * e, n, k), [2, cfg["BLOCK_N"], cfg["BLOCK_K"]])
+        else:
+            w_arg = TensorDescriptor.from_tensor(rows_of_w, [cfg["BLOCK_N"], cfg["BLOCK_K"]])
         if x_tma:
             x_arg = TensorDescriptor.from_tensor(x, [sorted_slots.block_m, cfg["BLOCK_K"]])
     grid = (cdiv(n, cfg["BLOCK_N"]), p // sorted_slots.block_m)
@@ -484,7 +547,7 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor, so
            x_arg, w_arg, rows, sorted_slots.tile_expert, out, grid[1], n, k, x.stride(0), weight.stride(0),
            weight.stride(1), out.stride(0), K_CHUNK=spec.k_chunk, OUT_BF16=out_dtype == torch.bfloat16,
            FP32_INPUTS=x.dtype == torch.float32, UPCAST=INTERPRET and x.dtype != torch.float32, W_TMA=w_tma,
-           X_TMA=x_tma, X_SORTED=x_sorted, GATED=gated, BLOCK_M=sorted_slots.block_m, BLOCK_N=cfg["BLOCK_N"],
+           X_TMA=x_tma, X_SORTED=x_sorted, GATED=gated, WIDE=wide, BLOCK_M=sorted_slots.block_m, BLOCK_N=cfg["BLOCK_N"],
            BLOCK_K=cfg["BLOCK_K"],
            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **LAUNCH)
     return out
