@@ -425,9 +425,11 @@ def sort_slots(ids: torch.Tensor, num_experts: int, block_m: int) -> SortedSlots
     position = torch.empty(slots, dtype=torch.long, device=device)
     tile_expert = torch.empty(num_tiles, dtype=torch.int32, device=device)
     if chunks == 1:
+        # a one-hot only as tall as the slots (8 at one token of top-8: the 128-row one's scan took 9 us on
+        # the H200, three times the rest of the sort)
         launch(_slot_sort_one_program, (1,), flat, token, position, tile_expert, slots, num_experts, num_tiles,
-               TOP_K=k, CHUNK=chunk, E_PAD=e_pad, BLOCK_M=block_m, TILE_BLOCK=max(16, 4096 // max(e_pad, block_m)),
-               num_warps=8, **LAUNCH)
+               TOP_K=k, CHUNK=max(16, next_power_of_2(slots)), E_PAD=e_pad, BLOCK_M=block_m,
+               TILE_BLOCK=max(16, 4096 // max(e_pad, block_m)), num_warps=4, **LAUNCH)
         return SortedSlots(block_m, token, position.view(t, k), tile_expert)
     counts = torch.empty((chunks, e_pad), dtype=torch.int32, device=device)
     base = torch.empty_like(counts)
@@ -446,15 +448,19 @@ def sort_slots(ids: torch.Tensor, num_experts: int, block_m: int) -> SortedSlots
 #: Launch configurations of the two grouped GEMMs (free: the bits do not depend on them), by slots per
 #: expert: (most slots per expert, tile rows, the gate/up (gated) launch, the down launch). A gated
 #: column reduces a gate and an up row, so its BLOCK_N is half the MMA width. H200, bench/moe_gpu.py
-#: --sweep (session 15, Qwen3-30B-A3B: 140 launches per token count, all bit-identical): the fastest
-#: pair at 1-64 tokens (<= 4 slots per expert), 512 (32) and 2048-8192 (128-512).
+#: --sweep (session 16, Qwen3-30B-A3B: 264 launches per token count, all bit-identical): the fastest
+#: pair at 1-64 tokens (<= 4 slots per expert), 512 (32), 2048 (128) and 8192 (512); the 256 between the
+#: last two is not measured. At 8192 the 128-row tiles with the gathered copy and one wide MMA took
+#: 965 + 596 us, the 64-row ones (no copy) 1008 + 595.
 GROUPED_CONFIGS = [
     (8, 16, dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=3),
-     dict(BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3)),
+     dict(BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3)),
     (48, 32, dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4),
      dict(BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3)),
-    (None, 64, dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3, tma=True),
-     dict(BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4, tma=True)),
+    (256, 64, dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3, tma=True, wide=True),
+     dict(BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4)),
+    (None, 128, dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3, tma=True, gather=True, wide=True),
+     dict(BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3, tma=True)),
 ]
 INTERPRETER_CONFIG = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=1)
 
