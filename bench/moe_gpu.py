@@ -373,6 +373,34 @@ def model_check(layers=3, requests=32, new_tokens=64):
     return result
 
 
+def sort_warps(tokens, shape, warps=(1, 2, 4, 8)):
+    """The one-program slot sort (decode batches) at each warp count: the same token / position / tile
+    expert arrays as at the default, and its time per sort (us) in a CUDA graph of ten."""
+    from hal.kernels import moe as kernels
+
+    default = kernels.ONE_PROGRAM_SORT_WARPS
+    rows = []
+    try:
+        for t in tokens:
+            g = torch.Generator(device="cuda").manual_seed(t)
+            ids = torch.rand(t, shape["experts"], generator=g, device="cuda").topk(shape["top_k"], dim=1).indices
+            ids = ids.to(torch.int32)
+            kernels.ONE_PROGRAM_SORT_WARPS = default
+            base = kernels.sort_slots(ids, shape["experts"], 16)
+            for w in warps:
+                kernels.ONE_PROGRAM_SORT_WARPS = w
+                got = kernels.sort_slots(ids, shape["experts"], 16)
+                same = all(torch.equal(getattr(got, f), getattr(base, f)) for f in ("token", "position", "tile_expert"))
+                # ten sorts in one graph: the replay's own overhead spread over them
+                us, why = graph_timed(lambda: [kernels.sort_slots(ids, shape["experts"], 16) for _ in range(10)])
+                rows.append(dict(tokens=t, warps=w, same=same, graph_us=us / 10 if us is not None else None, why=why))
+                print(f"  sort T={t} warps={w}: {rows[-1]['graph_us'] or float('nan'):.2f} us per sort (graph), "
+                      f"same arrays: {same} {why or ''}", flush=True)
+    finally:
+        kernels.ONE_PROGRAM_SORT_WARPS = default
+    return rows
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", required=True)
@@ -383,6 +411,8 @@ def main(argv=None):
     parser.add_argument("--kernels", default="", help="token counts at which to profile the device time per kernel")
     parser.add_argument("--best-from", default="", help="a JSON of an earlier --sweep run: time its fastest launches "
                                                         "beside the defaults (same bits: that sweep checked)")
+    parser.add_argument("--sort-warps", default="", help="token counts at which to time the one-program slot sort "
+                                                         "at 1-8 warps (its arrays checked against the default's)")
     args = parser.parse_args(argv)
     cuda = create_backend("cuda", "bf16-moe-v1")
     ref = create_backend("reference", "bf16-moe-v1", device="cuda")
@@ -401,13 +431,16 @@ def main(argv=None):
         report["timing_qwen3_30b_a3b"] = timing(cuda, [int(t) for t in args.tokens.split(",")], QWEN3_30B, best)
     if args.kernels:
         report["kernels_qwen3_30b_a3b"] = kernel_breakdown(cuda, [int(t) for t in args.kernels.split(",")], QWEN3_30B)
+    if args.sort_warps:
+        report["sort_warps"] = sort_warps([int(t) for t in args.sort_warps.split(",")], QWEN3_30B)
     if args.model:
         report["model"] = model_check()
     with open(args.json, "w") as f:
         json.dump(report, f, indent=2)
     ok = all(c["grouped_equals_per_expert_dense"] and c["placement_equal"] and all(c["batch_composition_equal"].values())
              for c in report.get("checks", [])) and report.get("model", {}).get("mismatching_logprobs", 0) == 0 \
-        and all(r["identical"] == r["candidates"] for r in report.get("sweep_qwen3_30b_a3b", []))
+        and all(r["identical"] == r["candidates"] for r in report.get("sweep_qwen3_30b_a3b", [])) \
+        and all(r["same"] for r in report.get("sort_warps", []))
     print("MOE CHECKS", "PASS" if ok else "FAIL")
     return 0 if ok else 1
 

@@ -399,9 +399,9 @@ def _grouped_outputs(cuda, x, w, ids, gate, down, spec=None):
 def test_every_moe_tuner_candidate_gives_the_same_bits(cuda):
     """The MoE tuner's whole candidate set (``moe.candidates`` at every tile-row count of ``moe.TILE_ROWS``,
     gated gate/up and down; the tile shapes, and the gate/up GEMM with its rows gathered into sorted order
-    first and as one MMA over gate and up rows (``wide``); warps, stages and descriptor loads do nothing under the interpreter, bench/moe_gpu.py --sweep
-    checks the same list on the GPU) gives every slot the bits of the
-    kernel's own launch, with the hidden size across the 512 K chunk. Negative control: the same launch
+    first and as one MMA over gate and up rows (``wide``); warps, stages and descriptor loads do nothing
+    under the interpreter, bench/moe_gpu.py --sweep checks the same list on the GPU) gives every slot the
+    bits of the kernel's own launch, with the hidden size across the 512 K chunk. Negative control: the same launch
     under a contract with half the K chunk gives other gate/up bits, so the comparison sees a reduction
     change."""
     import dataclasses

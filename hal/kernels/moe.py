@@ -104,8 +104,9 @@ def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, num_tokens, num_ex
 
 
 #: token rows per routing program: one per warp, so each row's reductions stay inside its warp (one
-#: row per program of four warps reduced through shared memory: 47 us at 8192 tokens on the H200,
-#: vLLM's topkGating 9 us). Fixed, never chosen by the batch: a row's tree is the same in any program.
+#: row per program of four warps reduced through shared memory: 47 us at 8192 tokens on the H200; four
+#: rows 9.6 us, vLLM's topkGating 9.5 us: bench/results/h200-2026-12-04-session16). Fixed, never chosen
+#: by the batch: a row's tree is the same in any program.
 ROUTE_ROWS = 4
 
 
@@ -404,6 +405,11 @@ def _slot_scatter_kernel(ids_ptr, base_ptr, run_start_ptr, run_end_ptr, token_pt
                             c * TILE_BLOCK + tl.arange(0, TILE_BLOCK), num_tiles, num_experts, BLOCK_M)
 
 
+#: warps of the one-program sort (free: it counts and scans integers, exact in any order; bench/moe_gpu.py
+#: --sort-warps times them)
+ONE_PROGRAM_SORT_WARPS = 4
+
+
 def sort_slots(ids: torch.Tensor, num_experts: int, block_m: int) -> SortedSlots:
     """Sort the slots by expert on the device, without a host synchronisation (so a CUDA graph can
     capture it): the padded length is the bound T*k + E*(block_m - 1) rounded up to a tile, whatever
@@ -429,7 +435,7 @@ def sort_slots(ids: torch.Tensor, num_experts: int, block_m: int) -> SortedSlots
         # the H200, three times the rest of the sort)
         launch(_slot_sort_one_program, (1,), flat, token, position, tile_expert, slots, num_experts, num_tiles,
                TOP_K=k, CHUNK=max(16, next_power_of_2(slots)), E_PAD=e_pad, BLOCK_M=block_m,
-               TILE_BLOCK=max(16, 4096 // max(e_pad, block_m)), num_warps=4, **LAUNCH)
+               TILE_BLOCK=max(16, 4096 // max(e_pad, block_m)), num_warps=ONE_PROGRAM_SORT_WARPS, **LAUNCH)
         return SortedSlots(block_m, token, position.view(t, k), tile_expert)
     counts = torch.empty((chunks, e_pad), dtype=torch.int32, device=device)
     base = torch.empty_like(counts)
