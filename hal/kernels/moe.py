@@ -137,6 +137,33 @@ def route(router_logits: torch.Tensor, routing, correction_bias: torch.Tensor | 
 # ---------------------------------------------------------------------------------------------
 
 @triton.jit
+def _x_tile(x, rows, row_ok, pid_m, ks, k0, K, stride_xm, X_TMA: tl.constexpr, UPCAST: tl.constexpr,
+            BLOCK_M: tl.constexpr):
+    """The (BLOCK_M, BLOCK_K) A tile of one K step: the tile's rows of ``x`` by descriptor (sorted rows) or
+    gathered by pointer (``rows``; padding rows read as zeros)."""
+    if X_TMA:
+        a = x.load([pid_m * BLOCK_M, k0])
+    else:
+        a = tl.load(x + rows.to(tl.int64)[:, None] * stride_xm + ks[None, :],
+                    mask=row_ok[:, None] & (ks[None, :] < K), other=0.0)
+    if UPCAST:  # the interpreter cannot do bf16 arithmetic; the upcast is exact
+        a = a.to(tl.float32)
+    return a
+
+
+@triton.jit
+def _mma(a, b, acc, FP32_INPUTS: tl.constexpr, UPCAST: tl.constexpr):
+    """acc + a @ b (b upcast to fp32 in the interpreter, as ``_x_tile`` does a); fp32 operands exactly."""
+    if UPCAST:
+        b = b.to(tl.float32)
+    if FP32_INPUTS or UPCAST:
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
 def _dot_step(a, w, w_e, w_row, offs_n, ks, k0, N, K, stride_wn, acc, FP32_INPUTS: tl.constexpr,
               UPCAST: tl.constexpr, W_TMA: tl.constexpr):
     """acc + a @ (weight rows from ``w_row`` (descriptor) / ``w_e`` (pointer), columns ``ks``).T: one BLOCK_K step."""
@@ -145,13 +172,7 @@ def _dot_step(a, w, w_e, w_row, offs_n, ks, k0, N, K, stride_wn, acc, FP32_INPUT
     else:
         b = tl.load(w_e + offs_n[None, :] * stride_wn + ks[:, None],
                     mask=(offs_n[None, :] < N) & (ks[:, None] < K), other=0.0)
-    if UPCAST:
-        b = b.to(tl.float32)
-    if FP32_INPUTS or UPCAST:
-        acc = tl.dot(a, b, acc, input_precision="ieee")
-    else:
-        acc = tl.dot(a, b, acc)
-    return acc
+    return _mma(a, b, acc, FP32_INPUTS, UPCAST)
 
 
 @triton.jit
@@ -173,23 +194,13 @@ def _wide_gated(x, w, rows, row_ok, out_ptr, pid_m, pid_n, expert, N, K, stride_
     acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + offs_k
-        if X_TMA:
-            a = x.load([pid_m * BLOCK_M, k0])
-        else:
-            a = tl.load(x + rows.to(tl.int64)[:, None] * stride_xm + ks[None, :],
-                        mask=row_ok[:, None] & (ks[None, :] < K), other=0.0)
+        a = _x_tile(x, rows, row_ok, pid_m, ks, k0, K, stride_xm, X_TMA, UPCAST, BLOCK_M)
         if W_TMA:
             b = w.load([2 * expert, pid_n * BLOCK_N, k0]).reshape(2 * BLOCK_N, BLOCK_K).T
         else:
             b = tl.load(w_e + w_rows[None, :] * stride_wn + ks[:, None],
                         mask=(col[None, :] < N) & (ks[:, None] < K), other=0.0)
-        if UPCAST:  # the interpreter cannot do bf16 arithmetic; the upcast is exact
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        if FP32_INPUTS or UPCAST:
-            acc = tl.dot(a, b, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc)
+        acc = _mma(a, b, acc, FP32_INPUTS, UPCAST)
         if ((k0 + BLOCK_K) % K_CHUNK == 0) | (k0 + BLOCK_K >= K):   # the chunk's last step
             total = total + acc
             acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
@@ -254,13 +265,7 @@ def _grouped_gemm_kernel(x, w, rows_ptr, tile_expert_ptr, out_ptr, num_tiles, N,
             acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 ks = k0 + offs_k
-                if X_TMA:
-                    a = x.load([pid_m * BLOCK_M, k0])
-                else:
-                    a = tl.load(x + rows.to(tl.int64)[:, None] * stride_xm + ks[None, :],
-                                mask=row_ok[:, None] & (ks[None, :] < K), other=0.0)
-                if UPCAST:  # the interpreter cannot do bf16 arithmetic; the upcast is exact
-                    a = a.to(tl.float32)
+                a = _x_tile(x, rows, row_ok, pid_m, ks, k0, K, stride_xm, X_TMA, UPCAST, BLOCK_M)
                 acc = _dot_step(a, w, w_e, expert * (2 * N if GATED else N) + pid_n * BLOCK_N, offs_n, ks, k0, N, K,
                                 stride_wn, acc, FP32_INPUTS, UPCAST, W_TMA)
                 if GATED:
