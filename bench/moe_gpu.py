@@ -11,6 +11,7 @@ alone, against vLLM's fused-MoE Triton kernel (``fused_topk`` + ``fused_experts`
 
     python3 bench/moe_gpu.py --json moe_gpu.json [--tokens 1,8,64,512,2048,8192] [--model] [--sweep]
                              [--kernels 1,512,8192]     # device time per kernel (torch.profiler)
+                             [--slot-tiles 1,2,4,8]     # a tile per slot (no sort) against the sorted layout
 """
 
 from __future__ import annotations
@@ -386,18 +387,46 @@ def sort_warps(tokens, shape, warps=(1, 2, 4, 8)):
             ids = torch.rand(t, shape["experts"], generator=g, device="cuda").topk(shape["top_k"], dim=1).indices
             ids = ids.to(torch.int32)
             kernels.ONE_PROGRAM_SORT_WARPS = default
-            base = kernels.sort_slots(ids, shape["experts"], 16)
+            base = kernels.sort_slots(ids, shape["experts"], 16, slot_tiles=False)
             for w in warps:
                 kernels.ONE_PROGRAM_SORT_WARPS = w
-                got = kernels.sort_slots(ids, shape["experts"], 16)
+                got = kernels.sort_slots(ids, shape["experts"], 16, slot_tiles=False)
                 same = all(torch.equal(getattr(got, f), getattr(base, f)) for f in ("token", "position", "tile_expert"))
                 # ten sorts in one graph: the replay's own overhead spread over them
-                us, why = graph_timed(lambda: [kernels.sort_slots(ids, shape["experts"], 16) for _ in range(10)])
+                us, why = graph_timed(lambda: [kernels.sort_slots(ids, shape["experts"], 16, slot_tiles=False)
+                                               for _ in range(10)])
                 rows.append(dict(tokens=t, warps=w, same=same, graph_us=us / 10 if us is not None else None, why=why))
                 print(f"  sort T={t} warps={w}: {rows[-1]['graph_us'] or float('nan'):.2f} us per sort (graph), "
                       f"same arrays: {same} {why or ''}", flush=True)
     finally:
         kernels.ONE_PROGRAM_SORT_WARPS = default
+    return rows
+
+
+def slot_tiles(cuda, tokens, shape):
+    """The layer with each slot in a tile of its own (``sort_slots(slot_tiles=True)``: no sort) and with the
+    sorted layout, at the default launches: the same output bits? CUDA-graph time of each (us)."""
+    from hal.kernels import moe as kernels
+
+    routing = routing_of(shape)
+    w = layer(shape)
+    rows = []
+    for t in tokens:
+        x = torch.randn(t, shape["hidden"], generator=torch.Generator().manual_seed(t)).to(torch.bfloat16).cuda()
+        default = t * shape["top_k"] <= kernels.SLOT_TILES_MAX_PER_EXPERT * shape["experts"]
+        row = dict(tokens=t, default_slot_tiles=default)
+        outs = {}
+        for tiles in (True, False):
+            outs[tiles] = run_layer(cuda, x, w, routing, {"slot_tiles": tiles})[0]
+            row[f"graph_us_slot_tiles_{tiles}"], why = graph_timed(lambda: run_layer(cuda, x, w, routing,
+                                                                                      {"slot_tiles": tiles}))
+            if why:
+                row[f"why_{tiles}"] = why
+        row["same"] = bool(torch.equal(outs[True], outs[False]))
+        print(f"  slot tiles T={t}: graph {row['graph_us_slot_tiles_True'] or float('nan'):.1f} us, sorted "
+              f"{row['graph_us_slot_tiles_False'] or float('nan'):.1f} us, same bits: {row['same']} "
+              f"(default: {'slot tiles' if default else 'sorted'})", flush=True)
+        rows.append(row)
     return rows
 
 
@@ -413,6 +442,8 @@ def main(argv=None):
                                                         "beside the defaults (same bits: that sweep checked)")
     parser.add_argument("--sort-warps", default="", help="token counts at which to time the one-program slot sort "
                                                          "at 1-8 warps (its arrays checked against the default's)")
+    parser.add_argument("--slot-tiles", default="", help="token counts at which to time the layer with a tile per "
+                                                         "slot (no sort) and sorted (their bits compared)")
     args = parser.parse_args(argv)
     cuda = create_backend("cuda", "bf16-moe-v1")
     ref = create_backend("reference", "bf16-moe-v1", device="cuda")
@@ -433,6 +464,8 @@ def main(argv=None):
         report["kernels_qwen3_30b_a3b"] = kernel_breakdown(cuda, [int(t) for t in args.kernels.split(",")], QWEN3_30B)
     if args.sort_warps:
         report["sort_warps"] = sort_warps([int(t) for t in args.sort_warps.split(",")], QWEN3_30B)
+    if args.slot_tiles:
+        report["slot_tiles"] = slot_tiles(cuda, [int(t) for t in args.slot_tiles.split(",")], QWEN3_30B)
     if args.model:
         report["model"] = model_check()
     with open(args.json, "w") as f:
@@ -440,7 +473,7 @@ def main(argv=None):
     ok = all(c["grouped_equals_per_expert_dense"] and c["placement_equal"] and all(c["batch_composition_equal"].values())
              for c in report.get("checks", [])) and report.get("model", {}).get("mismatching_logprobs", 0) == 0 \
         and all(r["identical"] == r["candidates"] for r in report.get("sweep_qwen3_30b_a3b", [])) \
-        and all(r["same"] for r in report.get("sort_warps", []))
+        and all(r["same"] for r in report.get("sort_warps", []) + report.get("slot_tiles", []))
     print("MOE CHECKS", "PASS" if ok else "FAIL")
     return 0 if ok else 1
 

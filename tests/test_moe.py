@@ -347,7 +347,7 @@ def test_cuda_slot_sort_is_the_stable_counting_sort(cuda, experts, top_k, count,
     ids[: count // 3, 0] = experts // 2                       # one heavy expert
     ids[ids == experts // 3] = experts // 3 + 1               # and an empty one in the middle
     ids = ids.to(torch.int32)
-    slots = sort_slots(ids.to(cuda.device), experts, block_m)
+    slots = sort_slots(ids.to(cuda.device), experts, block_m, slot_tiles=False)
     token, position, tile_expert = slots.token.cpu().long(), slots.position.cpu(), slots.tile_expert.cpu().long()
 
     flat = ids.flatten().long()
@@ -366,6 +366,34 @@ def test_cuda_slot_sort_is_the_stable_counting_sort(cuda, experts, top_k, count,
     tiles = torch.arange(0, total, block_m)
     expected_tiles = torch.searchsorted(torch.cumsum(padded, 0), tiles, right=True)
     assert torch.equal(tile_expert, torch.where(expected_tiles < experts, expected_tiles, -1))
+
+
+def test_cuda_slot_tiles_give_the_sorted_layouts_bits(cuda):
+    """``sort_slots``' slot tiles (decode batches: tile j is slot j alone, no sort) put each slot at its tile's
+    first row with its expert from ``ids`` itself, and ``experts`` gives the bits of the sorted layout at every
+    slot, with experts shared by several slots (10 tokens, top-3 over 8 experts), a shared-expert input and
+    the hidden size across the 512 K chunk. Negative control: the same slot tiles under half the K chunk give
+    other bits (fp32), so the comparison sees a reduction change."""
+    import dataclasses
+
+    from hal.kernels import moe as kernels
+
+    spec = cuda.contract.gemm
+    x, w = tokens(torch.bfloat16, count=10, hidden=CUDA_H), layer_weights(torch.bfloat16, hidden=CUDA_H, inter=CUDA_I)
+    weights, ids = cuda.moe_route(cuda.linear(x, w["router"], out_dtype=torch.float32), Routing(E, 3))
+    slots = kernels.sort_slots(ids, E, 16, slot_tiles=True)
+    assert slots.positions == 30 * 16 and torch.equal(slots.position.flatten(), torch.arange(30) * 16)
+    assert torch.equal(slots.tile_expert, ids.flatten()) and (slots.token >= 0).sum() == 30
+    assert torch.equal(slots.token[slots.position].long(), torch.arange(10).unsqueeze(-1).expand(10, 3))
+    shared = tokens(torch.bfloat16, seed=5, count=10, hidden=CUDA_H)
+    run = lambda tiles, xs=x, ws=w, s=spec: kernels.experts(xs, ws["w13"], ws["w2"], weights, ids, shared.to(xs.dtype),
+                                                            s, slot_tiles=tiles)
+    assert torch.equal(run(True), run(False))
+    assert torch.equal(run(None), run(False))                 # 30 slots over 8 experts: the sorted default
+    x32, w32 = x.float(), {name: t.float() for name, t in w.items()}
+    assert torch.equal(run(True, x32, w32), run(False, x32, w32))
+    half = dataclasses.replace(spec, k_chunk=spec.k_chunk // 2)
+    assert not torch.equal(run(True, x32, w32, half), run(True, x32, w32))
 
 
 def test_cuda_gather_rows_puts_each_token_row_at_its_sorted_positions(cuda):

@@ -410,22 +410,58 @@ def _slot_scatter_kernel(ids_ptr, base_ptr, run_start_ptr, run_end_ptr, token_pt
                             c * TILE_BLOCK + tl.arange(0, TILE_BLOCK), num_tiles, num_experts, BLOCK_M)
 
 
+@triton.jit
+def _slot_tiles_kernel(token_ptr, position_ptr, slots, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    """Tile j holds slot j alone, at its first row: position[j] = j BLOCK_M, token[j BLOCK_M] = j // TOP_K,
+    token -1 on the tile's other rows (``sort_slots``' slot tiles)."""
+    j = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = j < slots
+    tl.store(position_ptr + j, j.to(tl.int64) * BLOCK_M, mask=ok)
+    row = tl.arange(0, BLOCK_M)[None, :]
+    tl.store(token_ptr + j[:, None] * BLOCK_M + row, tl.where(row == 0, (j // TOP_K)[:, None], -1),
+             mask=ok[:, None])
+
+
+#: slots per expert up to which ``sort_slots`` gives each slot a tile of its own instead of sorting: a
+#: decode batch touches about as many experts as it has slots, so a sort groups almost nothing and costs
+#: a launch of dependent steps plus a grid sized for the worst routing (E (BLOCK_M - 1) padding rows:
+#: 121 row tiles for the 8 slots of one Qwen3-30B-A3B token). vLLM's fused MoE takes the same shortcut
+#: at the same bound (its "naive block assignment", slots * 4 <= experts). bench/moe_gpu.py --slot-tiles
+#: times both layouts and checks their bits.
+SLOT_TILES_MAX_PER_EXPERT = 0.25
+
 #: warps of the one-program sort (free: it counts and scans integers, exact in any order; bench/moe_gpu.py
 #: --sort-warps times them)
 ONE_PROGRAM_SORT_WARPS = 4
 
 
-def sort_slots(ids: torch.Tensor, num_experts: int, block_m: int) -> SortedSlots:
+def sort_slots(ids: torch.Tensor, num_experts: int, block_m: int, *, slot_tiles: bool | None = None) -> SortedSlots:
     """Sort the slots by expert on the device, without a host synchronisation (so a CUDA graph can
     capture it): the padded length is the bound T*k + E*(block_m - 1) rounded up to a tile, whatever
     the routing. A stable counting sort: one program when the slots fit one chunk, else three kernels
     (per-chunk expert counts; one program for the runs and their padding; the scatter and the tiles'
     experts), not ``torch.sort`` + ``searchsorted`` (about ten kernels: 20-40 us at 1-64 tokens on the
     H200). The order of the slots inside an expert's run does not change any bits (each row is its own
-    GEMM); it is the stable order anyway."""
+    GEMM); it is the stable order anyway.
+
+    ``slot_tiles`` (default: at most SLOT_TILES_MAX_PER_EXPERT slots per expert): no sort, tile j is slot j
+    alone (its expert ``ids`` itself, its row j // k at the tile's first position, T k tiles). Each row is
+    still its own GEMM, so the bits are those of the sorted layout; slots of one expert read its weights
+    once per tile instead of once."""
     t, k = ids.shape
     device = ids.device
     slots = t * k
+    if slot_tiles is None:
+        slot_tiles = slots <= SLOT_TILES_MAX_PER_EXPERT * num_experts
+    if slot_tiles:
+        token = torch.empty(slots * block_m, dtype=torch.int32, device=device)
+        position = torch.empty(slots, dtype=torch.long, device=device)
+        if slots:
+            block = min(64, max(16, next_power_of_2(slots)))
+            launch(_slot_tiles_kernel, (cdiv(slots, block),), token, position, slots, TOP_K=k, BLOCK_M=block_m,
+                   BLOCK=block, num_warps=1, **LAUNCH)
+        return SortedSlots(block_m, token, position.view(t, k), ids.reshape(-1).to(torch.int32).contiguous())
     e_pad = next_power_of_2(num_experts)
     chunk = max(16, min(256, 16384 // e_pad))        # a (chunk, E_PAD) one-hot per program
     chunks = max(1, cdiv(slots, chunk))
@@ -658,14 +694,16 @@ def combine(down: torch.Tensor, position: torch.Tensor, weights: torch.Tensor, s
 
 def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
             topk_ids: torch.Tensor, shared: torch.Tensor | None, spec: Gemm, config: dict | None = None,
-            gate_up_config: dict | None = None, *, policy: LaunchPolicy | None = None) -> torch.Tensor:
+            gate_up_config: dict | None = None, *, policy: LaunchPolicy | None = None,
+            slot_tiles: bool | None = None) -> torch.Tensor:
     """The expert half of an MoE layer without a host synchronisation: sort the slots, the gate/up
     grouped GEMM with ``silu_mul`` in its epilogue (GATED: the bits of the gate/up linear rounded to
     the activation dtype and then the row kernel), the down grouped GEMM (fp32), then the rank-order
     combine (``combine``: ``hal.moe.combine``'s steps). The launches are ``grouped_configs``', or the
     ``policy``'s (a tuning cache's choice, ``hal tune``) where it has one; ``config``: the down projection's
     launch over both (and the tile rows of both); ``gate_up_config``: the gate/up one (default with a
-    ``config``: it with half as many columns, since each gated column reduces a gate and an up row)."""
+    ``config``: it with half as many columns, since each gated column reduces a gate and an up row);
+    ``slot_tiles``: ``sort_slots``' (default: by SLOT_TILES_MAX_PER_EXPERT)."""
     t, k = topk_ids.shape
     num_experts = w13.shape[0]
     tuned = policy.moe_tiles(t * k, num_experts, x.shape[1], w2.shape[2], spec, x.dtype) if policy else None
@@ -675,7 +713,7 @@ def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: 
     if gate_cfg["BLOCK_M"] != cfg["BLOCK_M"]:
         raise UnsupportedError(f"grouped GEMM: the gate/up and down launches need the same BLOCK_M "
                                f"({gate_cfg['BLOCK_M']} != {cfg['BLOCK_M']}): the slots are sorted into its tiles")
-    slots = sort_slots(topk_ids, num_experts, cfg["BLOCK_M"])
+    slots = sort_slots(topk_ids, num_experts, cfg["BLOCK_M"], slot_tiles=slot_tiles)
     act = gate_up(x, w13, slots, spec, gate_cfg)
     # the down projection reads the activations in sorted order: row p of act is position p
     down = grouped_linear(act, w2, slots.token, slots, torch.float32, spec, cfg, x_sorted=True)
