@@ -106,11 +106,18 @@ def _block_partial(xq, wq, offs_m, offs_n, m_ok, n_ok, pid_m, pid_n, kb, stride_
 
 
 @triton.jit
-def _block_scale(xs_ptr, ws_ptr, offs_m, offs_n, m_ok, n_ok, kb, stride_xsm, stride_xsk, stride_wsn, stride_wsk,
-                 GROUP: tl.constexpr):
-    """fl32(a_scale * w_scale_inv) of K block ``kb`` for every (row, column) of the tile."""
+def _block_scale(xs_ptr, ws_ptr, offs_m, offs_n, m_ok, n_ok, pid_n, kb, stride_xsm, stride_xsk, stride_wsn,
+                 stride_wsk, GROUP: tl.constexpr, BLOCK_N: tl.constexpr):
+    """fl32(a_scale * w_scale_inv) of K block ``kb`` for every (row, column) of the tile: (BLOCK_M, BLOCK_N),
+    or (BLOCK_M, 1) when the tile's columns share one weight block."""
     a_s = tl.load(xs_ptr + offs_m * stride_xsm + kb * stride_xsk, mask=m_ok, other=0.0)
     # [fp8].weight_block = activation_group: column n's scale row is n // GROUP
+    if GROUP % BLOCK_N == 0:
+        # the tile lies inside one weight block: one scale, so one product per row, not per element (the
+        # same fl32(a_scale * w_scale_inv) each column would get; the scaled add then costs a multiply and
+        # an add per element instead of three operations, beside the MMA)
+        w_s = tl.load(ws_ptr + (pid_n * BLOCK_N // GROUP) * stride_wsn + kb * stride_wsk)
+        return (a_s * w_s)[:, None]
     w_s = tl.load(ws_ptr + (offs_n // GROUP) * stride_wsn + kb * stride_wsk, mask=n_ok, other=0.0)
     return a_s[:, None] * w_s[None, :]
 
@@ -145,17 +152,17 @@ def _fp8_gemm_kernel(xq, xs_ptr, wq, ws_ptr, bias_ptr, out_ptr, M, N, K,
         if PAIR:
             second = _block_partial(xq, wq, offs_m, offs_n, m_ok, n_ok, pid_m, pid_n, kb + 1, stride_xm,
                                     stride_xk, stride_wn, stride_wk, GROUP, UPCAST, TMA, BLOCK_M, BLOCK_N)
-        acc = acc + first * _block_scale(xs_ptr, ws_ptr, offs_m, offs_n, m_ok, n_ok, kb, stride_xsm, stride_xsk,
-                                         stride_wsn, stride_wsk, GROUP)
+        acc = acc + first * _block_scale(xs_ptr, ws_ptr, offs_m, offs_n, m_ok, n_ok, pid_n, kb, stride_xsm,
+                                         stride_xsk, stride_wsn, stride_wsk, GROUP, BLOCK_N)
         if PAIR:
-            acc = acc + second * _block_scale(xs_ptr, ws_ptr, offs_m, offs_n, m_ok, n_ok, kb + 1, stride_xsm,
-                                              stride_xsk, stride_wsn, stride_wsk, GROUP)
+            acc = acc + second * _block_scale(xs_ptr, ws_ptr, offs_m, offs_n, m_ok, n_ok, pid_n, kb + 1, stride_xsm,
+                                              stride_xsk, stride_wsn, stride_wsk, GROUP, BLOCK_N)
     if PAIR:
         if blocks % 2 == 1:   # the odd last block
             last = _block_partial(xq, wq, offs_m, offs_n, m_ok, n_ok, pid_m, pid_n, blocks - 1, stride_xm,
                                   stride_xk, stride_wn, stride_wk, GROUP, UPCAST, TMA, BLOCK_M, BLOCK_N)
-            acc = acc + last * _block_scale(xs_ptr, ws_ptr, offs_m, offs_n, m_ok, n_ok, blocks - 1, stride_xsm,
-                                            stride_xsk, stride_wsn, stride_wsk, GROUP)
+            acc = acc + last * _block_scale(xs_ptr, ws_ptr, offs_m, offs_n, m_ok, n_ok, pid_n, blocks - 1, stride_xsm,
+                                            stride_xsk, stride_wsn, stride_wsk, GROUP, BLOCK_N)
     if HAS_BIAS:
         acc = acc + tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on,
