@@ -108,8 +108,7 @@ def _block_partial(xq, wq, offs_m, offs_n, m_ok, n_ok, pid_m, pid_n, kb, stride_
 @triton.jit
 def _block_scale(xs_ptr, ws_ptr, offs_m, offs_n, m_ok, n_ok, pid_n, kb, stride_xsm, stride_xsk, stride_wsn,
                  stride_wsk, GROUP: tl.constexpr, BLOCK_N: tl.constexpr):
-    """fl32(a_scale * w_scale_inv) of K block ``kb`` for every (row, column) of the tile: (BLOCK_M, BLOCK_N),
-    or (BLOCK_M, 1) when the tile's columns share one weight block."""
+    """fl32(a_scale * w_scale_inv) of K block ``kb`` for every (row, column) of the tile."""
     a_s = tl.load(xs_ptr + offs_m * stride_xsm + kb * stride_xsk, mask=m_ok, other=0.0)
     # [fp8].weight_block = activation_group: column n's scale row is n // GROUP
     if GROUP % BLOCK_N == 0:
@@ -117,7 +116,7 @@ def _block_scale(xs_ptr, ws_ptr, offs_m, offs_n, m_ok, n_ok, pid_n, kb, stride_x
         # same fl32(a_scale * w_scale_inv) each column would get; the scaled add then costs a multiply and
         # an add per element instead of three operations, beside the MMA)
         w_s = tl.load(ws_ptr + (pid_n * BLOCK_N // GROUP) * stride_wsn + kb * stride_wsk)
-        return (a_s * w_s)[:, None]
+        return tl.broadcast_to((a_s * w_s)[:, None], (a_s.shape[0], BLOCK_N))
     w_s = tl.load(ws_ptr + (offs_n // GROUP) * stride_wsn + kb * stride_wsk, mask=n_ok, other=0.0)
     return a_s[:, None] * w_s[None, :]
 
