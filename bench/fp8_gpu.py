@@ -25,6 +25,10 @@ calls the kernel module directly. Sections (``--only``), each with a printed tab
   tune      (GPU only, not with --small) ``hal.kernels.tuning.tune_fp8_gemm`` over the speed shapes: every
             candidate bit-checked against the kernel's own launch and timed (CUDA-graph replay), the fastest kept
             in a tuning cache (--tune-cache) that the speed section then reads.
+  ceiling   (GPU only) large M, a diagnosis: our kernel against the same loop without the contract's scales
+            (all K blocks chained into one accumulator; each block's partial added unscaled) at our tile and
+            wider ones, and cuBLAS's block-scaled GEMM: which part of the gap the promotion, the scales and
+            the tile are. Those variants' outputs are not the contract's and are not checked.
   speed     (GPU only, not with --small) median times by ``triton.testing.do_bench`` (CUDA events per call,
             L2 flushed between calls) of our linear (quantisation + GEMM) and our GEMM (tuned, and the
             kernel's own launch), cuBLAS bf16 (``F.linear``), ``torch._scaled_mm`` (rowwise, tensorwise,
@@ -58,6 +62,7 @@ import time
 import torch
 import torch.nn.functional as F
 import triton
+import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from hal import fp8
@@ -70,7 +75,7 @@ from hal.kernels.common import INTERPRET
 CONTRACT = load_contract("bf16-fp8-v1")
 SPEC = CONTRACT.fp8
 G = SPEC.activation_group          # = SPEC.weight_block = 128: the K block of the GEMM
-SECTIONS = ("quant", "batch", "tiles", "accuracy", "negative", "tune", "speed")
+SECTIONS = ("quant", "batch", "tiles", "accuracy", "negative", "tune", "speed", "ceiling")
 START = time.time()
 
 
@@ -653,6 +658,91 @@ def print_speed(rows, failures):
 
 
 # ---------------------------------------------------------------------------------------------
+# ceiling: where the large-M time goes (a diagnosis, not the contract)
+
+@triton.jit
+def _ceiling_kernel(xq, wq, out_ptr, M, N, K, stride_om, PROMOTE: tl.constexpr, GROUP: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Our kernel's loop with descriptor loads and program order, without the contract's scales: PROMOTE=0
+    chains every K block's MMAs into one accumulator (an ordinary Triton fp8 GEMM: what the tensor cores
+    give at this tile), PROMOTE=1 takes each block's partial from zero and adds it (the per-block wait the
+    contract's scaled add needs, without the scale loads and products). Neither output is the contract's."""
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    group = pid // (GROUP_M * tiles_n)
+    first_m = group * GROUP_M
+    rows_in_group = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * tiles_n)) % rows_in_group
+    pid_n = (pid % (GROUP_M * tiles_n)) // rows_in_group
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, K // GROUP):
+        a = xq.load([pid_m * BLOCK_M, kb * GROUP])
+        b = wq.load([pid_n * BLOCK_N, kb * GROUP]).T
+        if PROMOTE:
+            acc = acc + tl.dot(a, b)
+        else:
+            acc = tl.dot(a, b, acc)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :], acc.to(tl.bfloat16),
+             mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+CEILING_TILES = [(64, 128, 4, 3), (128, 128, 8, 3), (128, 256, 8, 3), (128, 256, 8, 4)]
+
+
+def ceiling_section(device):
+    """Large M: our contract kernel (its own launch) against ``_ceiling_kernel`` at our tile and at wider
+    ones, and cuBLAS's block-scaled GEMM: how much of the gap is the per-block promotion, how much the
+    scales, how much the tile."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    rows = []
+    print(f"\n{'M':>5} {'N':>6} {'K':>6} {'variant':>34} {'us':>9} {'TFLOP/s':>8}  (GEMM alone; {TIMING})", flush=True)
+    for si, (n, k) in enumerate(QUICK_SHAPES):
+        w = speed_weight(n, k, seed=70 + si, device=device)
+        for m in (1024, 8192):
+            x = torch.randn(m, k, device=device, generator=torch.Generator(device=device).manual_seed(m)).bfloat16()
+            xq, xs = fp8_gemm.quantise_activations(x, SPEC)
+            variants = {"ours (contract, own launch)":
+                        lambda: fp8_gemm.gemm(xq, xs, w["wq"], w["ws"], None, torch.bfloat16, SPEC)}
+            try:
+                xs_col = xs.t().contiguous().t()     # the 1x128 scale layout cuBLAS takes (as in ``comparators``)
+                variants["cuBLAS block (_scaled_mm)"] = lambda: torch._scaled_mm(
+                    xq, w["wq"].t(), scale_a=xs_col, scale_b=w["ws"].t(), out_dtype=torch.bfloat16)
+                variants["cuBLAS block (_scaled_mm)"]()
+            except Exception as exc:  # noqa: BLE001 - this torch's cuBLAS lacks it here: say so
+                variants.pop("cuBLAS block (_scaled_mm)")
+                log(f"ceiling: cuBLAS block n/a: {first_line(exc)}")
+            out = torch.empty(m, n, device=device, dtype=torch.bfloat16)
+            for bm, bn, warps, stages in CEILING_TILES:
+                xd = TensorDescriptor.from_tensor(xq, [bm, G])
+                wd = TensorDescriptor.from_tensor(w["wq"], [bn, G])
+                for promote in (0, 1):
+                    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+                    name = f"{'per-block add' if promote else 'chained MMA'} {bm}x{bn} w{warps} s{stages}"
+                    variants[name] = (lambda xd=xd, wd=wd, grid=grid, promote=promote, bm=bm, bn=bn, warps=warps,
+                                      stages=stages: _ceiling_kernel[grid](xd, wd, out, m, n, k, out.stride(0),
+                                                                           PROMOTE=promote, GROUP=G, BLOCK_M=bm,
+                                                                           BLOCK_N=bn, GROUP_M=8, num_warps=warps,
+                                                                           num_stages=stages))
+            for name, fn in variants.items():
+                try:
+                    fn()
+                    torch.cuda.synchronize()
+                    us = bench_ms(fn) * 1000
+                except Exception as exc:  # noqa: BLE001 - a tile that does not fit: say so, go on
+                    rows.append(dict(m=m, n=n, k=k, variant=name, error=first_line(exc)))
+                    print(f"{m:>5} {n:>6} {k:>6} {name:>34} {'n/a':>9} ({first_line(exc)[:60]})", flush=True)
+                    continue
+                tflops = 2.0 * m * n * k / (us * 1e-6) / 1e12
+                rows.append(dict(m=m, n=n, k=k, variant=name, us=us, tflops=tflops))
+                print(f"{m:>5} {n:>6} {k:>6} {name:>34} {us:>9.1f} {tflops:>8.0f}", flush=True)
+    return dict(timing=TIMING, rows=rows)
+
+
+# ---------------------------------------------------------------------------------------------
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -704,6 +794,11 @@ def main(argv=None) -> int:
             log("speed: " + report["speed"])
         else:
             report["speed"] = speed_section(device, args.quick)
+    if "ceiling" in sections:
+        if args.small or device.type != "cuda":
+            report["ceiling"] = "skipped (--small or not a GPU)"
+        else:
+            report["ceiling"] = ceiling_section(device)
     report["checks"] = checks
     report["ok"] = all(checks.values())
     report["wall_s"] = time.time() - START

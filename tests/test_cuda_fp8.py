@@ -90,8 +90,8 @@ def test_every_tile_configuration_gives_the_same_bits(cuda):
 
 
 def test_every_fp8_autotuner_candidate_gives_the_same_bits(cuda):
-    """The tuner's whole candidate set (``fp8_gemm.candidates``: tiles, GROUP_M and PAIR, two K blocks per
-    loop step) at an odd and an even number of K blocks, M on both sides of the 64-row tile choice: every
+    """The tuner's whole candidate set (``fp8_gemm.candidates``: tiles, GROUP_M, PAIR (two K blocks per
+    loop step) and HALVES (a wide tile's columns as two MMAs)) at an odd and an even number of K blocks, M on both sides of the 64-row tile choice: every
     configuration gives the kernel's own bits (warps, stages and descriptor loads do nothing under the
     interpreter: bench/fp8_gpu.py checks the same list on the GPU). Negative control: the same block
     partials added in descending order give other bits, so the order PAIR keeps is what the equality needs."""
@@ -104,7 +104,8 @@ def test_every_fp8_autotuner_candidate_gives_the_same_bits(cuda):
         configs = fp8_gemm.candidates(m, n, k, SPEC.activation_group, tma_ok=False)
         assert any(c["pair"] for c in configs) and any(not c["pair"] for c in configs)
         assert {c["BLOCK_M"] for c in configs} == ({64, 128} if m > 64 else {64})
-        distinct = {(c["BLOCK_M"], c["BLOCK_N"], c["GROUP_M"], c["pair"]): c for c in configs}
+        assert any(c["halves"] for c in configs) == (m > 64)
+        distinct = {(c["BLOCK_M"], c["BLOCK_N"], c["GROUP_M"], c["pair"], c["halves"]): c for c in configs}
         for config in distinct.values():
             assert torch.equal(fp8_gemm.gemm(xq, xs, wq, ws, None, torch.float32, SPEC, config), own), config
     w_scale_cols = ws.repeat_interleave(SPEC.weight_block, 0)[:n]

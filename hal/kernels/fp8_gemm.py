@@ -87,13 +87,13 @@ def _quant_kernel(x_ptr, q_ptr, s_ptr, stride_xm, stride_qm, stride_sm, floor, f
 
 
 @triton.jit
-def _block_partial(xq, wq, offs_m, offs_n, m_ok, n_ok, pid_m, pid_n, kb, stride_xm, stride_xk, stride_wn, stride_wk,
-                   GROUP: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr):
-    """K block ``kb``'s fp32 partial product of the (BLOCK_M, BLOCK_N) tile, accumulated from zero."""
-    if TMA:   # descriptors of (BLOCK_M, GROUP) and (BLOCK_N, GROUP) blocks; rows past M or N read as zeros
+def _block_partial(xq, wq, offs_m, offs_n, m_ok, n_ok, pid_m, n_first, kb, stride_xm, stride_xk, stride_wn,
+                   stride_wk, GROUP: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr):
+    """K block ``kb``'s fp32 partial product of the (BLOCK_M, len(offs_n)) tile whose columns start at
+    ``n_first``, accumulated from zero."""
+    if TMA:   # descriptors of (BLOCK_M, GROUP) and (columns, GROUP) blocks; rows past M or N read as zeros
         a = xq.load([pid_m * BLOCK_M, kb * GROUP])
-        b = wq.load([pid_n * BLOCK_N, kb * GROUP]).T
+        b = wq.load([n_first, kb * GROUP]).T
     else:
         ks = kb * GROUP + tl.arange(0, GROUP)
         a = tl.load(xq + offs_m[:, None] * stride_xm + ks[None, :] * stride_xk, mask=m_ok[:, None], other=0.0)
@@ -106,30 +106,51 @@ def _block_partial(xq, wq, offs_m, offs_n, m_ok, n_ok, pid_m, pid_n, kb, stride_
 
 
 @triton.jit
-def _block_scale(xs_ptr, ws_ptr, offs_m, offs_n, m_ok, n_ok, pid_n, kb, stride_xsm, stride_xsk, stride_wsn,
+def _block_scale(xs_ptr, ws_ptr, offs_m, offs_n, m_ok, n_ok, n_first, kb, stride_xsm, stride_xsk, stride_wsn,
                  stride_wsk, GROUP: tl.constexpr, BLOCK_N: tl.constexpr):
-    """fl32(a_scale * w_scale_inv) of K block ``kb`` for every (row, column) of the tile."""
+    """fl32(a_scale * w_scale_inv) of K block ``kb`` for every (row, column) of the (BLOCK_M, BLOCK_N) tile
+    whose columns start at ``n_first``."""
     a_s = tl.load(xs_ptr + offs_m * stride_xsm + kb * stride_xsk, mask=m_ok, other=0.0)
     # [fp8].weight_block = activation_group: column n's scale row is n // GROUP
     if GROUP % BLOCK_N == 0:
         # the tile lies inside one weight block: one scale, so one product per row, not per element (the
-        # same fl32(a_scale * w_scale_inv) each column would get; the scaled add then costs a multiply and
-        # an add per element instead of three operations, beside the MMA)
-        w_s = tl.load(ws_ptr + (pid_n * BLOCK_N // GROUP) * stride_wsn + kb * stride_wsk)
+        # same fl32(a_scale * w_scale_inv) each column would get)
+        w_s = tl.load(ws_ptr + (n_first // GROUP) * stride_wsn + kb * stride_wsk)
         return tl.broadcast_to((a_s * w_s)[:, None], (a_s.shape[0], BLOCK_N))
     w_s = tl.load(ws_ptr + (offs_n // GROUP) * stride_wsn + kb * stride_wsk, mask=n_ok, other=0.0)
     return a_s[:, None] * w_s[None, :]
+
+
+@triton.jit
+def _scaled_add(acc, partial, xs_ptr, ws_ptr, offs_m, offs_n, m_ok, n_ok, n_first, kb, stride_xsm, stride_xsk,
+                stride_wsn, stride_wsk, GROUP: tl.constexpr, BLOCK_N: tl.constexpr):
+    """acc = fl32(acc + fl32(partial * fl32(a_scale * w_scale_inv))): one K block's step."""
+    return acc + partial * _block_scale(xs_ptr, ws_ptr, offs_m, offs_n, m_ok, n_ok, n_first, kb, stride_xsm,
+                                        stride_xsk, stride_wsn, stride_wsk, GROUP, BLOCK_N)
+
+
+@triton.jit
+def _store_columns(acc, bias_ptr, out_ptr, offs_m, offs_n, m_ok, n_ok, stride_om, stride_on, HAS_BIAS: tl.constexpr,
+                   OUT_BF16: tl.constexpr):
+    if HAS_BIAS:
+        acc = acc + tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on,
+             to_activation(acc, OUT_BF16), mask=m_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["M"])
 def _fp8_gemm_kernel(xq, xs_ptr, wq, ws_ptr, bias_ptr, out_ptr, M, N, K,
                      stride_xm, stride_xk, stride_xsm, stride_xsk, stride_wn, stride_wk, stride_wsn, stride_wsk,
                      stride_om, stride_on, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, OUT_BF16: tl.constexpr,
-                     UPCAST: tl.constexpr, TMA: tl.constexpr, PAIR: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """xq, wq: pointers, or (TMA) tensor descriptors. PAIR: two K blocks per step, both partials
-    computed before either is added, so one block's MMAs can run while the other's scaled add does;
-    the adds keep the ascending order, so the bits are PAIR=0's."""
+                     UPCAST: tl.constexpr, TMA: tl.constexpr, PAIR: tl.constexpr, HALVES: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """xq, wq: pointers, or (TMA) tensor descriptors (wq's blocks are one column half wide with HALVES).
+    PAIR: two K blocks per step, both partials computed before either is added, so one block's MMAs can
+    run while the other's scaled add does; the adds keep the ascending order, so the bits are PAIR=0's.
+    HALVES (not with PAIR): the tile's columns as two halves, each its own MMA, partial and accumulator
+    (one A tile for both; two half-width partials hold half the registers of one full-width one, which is
+    what lets a 256-column tile keep its per-block partial beside its accumulator); a column's block
+    partial is its own dot either way, so the bits are the same."""
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -138,34 +159,46 @@ def _fp8_gemm_kernel(xq, xs_ptr, wq, ws_ptr, bias_ptr, out_ptr, M, N, K,
     rows_in_group = tl.minimum(tiles_m - first_m, GROUP_M)
     pid_m = first_m + (pid % (GROUP_M * tiles_n)) % rows_in_group
     pid_n = (pid % (GROUP_M * tiles_n)) // rows_in_group
+    STEP_N: tl.constexpr = BLOCK_N // 2 if HALVES else BLOCK_N     # the columns of one MMA
+    lo = pid_n * BLOCK_N                                             # first column of each half
+    hi = lo + STEP_N
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = lo + tl.arange(0, STEP_N)
+    offs_hi = hi + tl.arange(0, STEP_N)                              # HALVES only
     m_ok = offs_m < M
     n_ok = offs_n < N
+    hi_ok = offs_hi < N
     blocks = K // GROUP
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, STEP_N), dtype=tl.float32)
+    acc_hi = tl.zeros((BLOCK_M, STEP_N), dtype=tl.float32)
     # ascending K blocks from +0: acc = fl32(acc + fl32(partial * fl32(a_scale * w_scale_inv)))
     for kb in range(0, blocks - PAIR, 1 + PAIR):
-        first = _block_partial(xq, wq, offs_m, offs_n, m_ok, n_ok, pid_m, pid_n, kb, stride_xm, stride_xk,
-                               stride_wn, stride_wk, GROUP, UPCAST, TMA, BLOCK_M, BLOCK_N)
+        first = _block_partial(xq, wq, offs_m, offs_n, m_ok, n_ok, pid_m, lo, kb, stride_xm, stride_xk,
+                               stride_wn, stride_wk, GROUP, UPCAST, TMA, BLOCK_M)
+        if HALVES:
+            first_hi = _block_partial(xq, wq, offs_m, offs_hi, m_ok, hi_ok, pid_m, hi, kb, stride_xm, stride_xk,
+                                      stride_wn, stride_wk, GROUP, UPCAST, TMA, BLOCK_M)
         if PAIR:
-            second = _block_partial(xq, wq, offs_m, offs_n, m_ok, n_ok, pid_m, pid_n, kb + 1, stride_xm,
-                                    stride_xk, stride_wn, stride_wk, GROUP, UPCAST, TMA, BLOCK_M, BLOCK_N)
-        acc = acc + first * _block_scale(xs_ptr, ws_ptr, offs_m, offs_n, m_ok, n_ok, pid_n, kb, stride_xsm,
-                                         stride_xsk, stride_wsn, stride_wsk, GROUP, BLOCK_N)
+            second = _block_partial(xq, wq, offs_m, offs_n, m_ok, n_ok, pid_m, lo, kb + 1, stride_xm,
+                                    stride_xk, stride_wn, stride_wk, GROUP, UPCAST, TMA, BLOCK_M)
+        acc = _scaled_add(acc, first, xs_ptr, ws_ptr, offs_m, offs_n, m_ok, n_ok, lo, kb, stride_xsm, stride_xsk,
+                          stride_wsn, stride_wsk, GROUP, STEP_N)
+        if HALVES:
+            acc_hi = _scaled_add(acc_hi, first_hi, xs_ptr, ws_ptr, offs_m, offs_hi, m_ok, hi_ok, hi, kb, stride_xsm,
+                                 stride_xsk, stride_wsn, stride_wsk, GROUP, STEP_N)
         if PAIR:
-            acc = acc + second * _block_scale(xs_ptr, ws_ptr, offs_m, offs_n, m_ok, n_ok, pid_n, kb + 1, stride_xsm,
-                                              stride_xsk, stride_wsn, stride_wsk, GROUP, BLOCK_N)
+            acc = _scaled_add(acc, second, xs_ptr, ws_ptr, offs_m, offs_n, m_ok, n_ok, lo, kb + 1, stride_xsm,
+                              stride_xsk, stride_wsn, stride_wsk, GROUP, STEP_N)
     if PAIR:
         if blocks % 2 == 1:   # the odd last block
-            last = _block_partial(xq, wq, offs_m, offs_n, m_ok, n_ok, pid_m, pid_n, blocks - 1, stride_xm,
-                                  stride_xk, stride_wn, stride_wk, GROUP, UPCAST, TMA, BLOCK_M, BLOCK_N)
-            acc = acc + last * _block_scale(xs_ptr, ws_ptr, offs_m, offs_n, m_ok, n_ok, pid_n, blocks - 1, stride_xsm,
-                                            stride_xsk, stride_wsn, stride_wsk, GROUP, BLOCK_N)
-    if HAS_BIAS:
-        acc = acc + tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on,
-             to_activation(acc, OUT_BF16), mask=m_ok[:, None] & n_ok[None, :])
+            last = _block_partial(xq, wq, offs_m, offs_n, m_ok, n_ok, pid_m, lo, blocks - 1, stride_xm,
+                                  stride_xk, stride_wn, stride_wk, GROUP, UPCAST, TMA, BLOCK_M)
+            acc = _scaled_add(acc, last, xs_ptr, ws_ptr, offs_m, offs_n, m_ok, n_ok, lo, blocks - 1, stride_xsm,
+                              stride_xsk, stride_wsn, stride_wsk, GROUP, STEP_N)
+    _store_columns(acc, bias_ptr, out_ptr, offs_m, offs_n, m_ok, n_ok, stride_om, stride_on, HAS_BIAS, OUT_BF16)
+    if HALVES:
+        _store_columns(acc_hi, bias_ptr, out_ptr, offs_m, offs_hi, m_ok, hi_ok, stride_om, stride_on, HAS_BIAS,
+                       OUT_BF16)
 
 
 def quantise(x: torch.Tensor, group: int, fmt: str, spec: Fp8) -> tuple[torch.Tensor, torch.Tensor]:
@@ -210,9 +243,10 @@ def _config(m: int, n: int) -> dict:
 # small M more programs than the 132 SMs.
 _TILES = [(64, 32, 4, 4), (64, 32, 4, 6), (64, 64, 4, 3), (64, 64, 4, 4), (64, 64, 4, 6), (64, 128, 4, 2),
           (64, 128, 4, 3), (64, 128, 4, 4), (64, 128, 4, 6), (64, 256, 4, 3),
-          (128, 64, 4, 3), (128, 64, 4, 4), (128, 128, 4, 3), (128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3)]
+          (128, 64, 4, 3), (128, 64, 4, 4), (128, 128, 4, 3), (128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3), (128, 256, 8, 4)]
 _SHARED_BYTES = 200 * 1024   # of the H200's 227 KB per block, room left for the layout conversions
 _PAIR_ACC_PER_THREAD = 64    # fp32 accumulator values per thread up to which PAIR's two extra tiles fit
+_HALVES_MIN_N = 128          # HALVES (two half-width MMAs and partials) for tiles at least this wide, above 64 rows
 
 
 def candidates(m: int, n: int, k: int, group: int, tma_ok: bool, tiles=None) -> list[dict]:
@@ -231,7 +265,10 @@ def candidates(m: int, n: int, k: int, group: int, tma_ok: bool, tiles=None) -> 
         for tma in ((False, True) if tma_ok and m > 64 else (False,)):
             for pair in pairs:
                 out.append(dict(BLOCK_M=bm, BLOCK_N=bn, GROUP_M=8 if m > 64 else 1, num_warps=warps,
-                                num_stages=stages, tma=tma, pair=pair))
+                                num_stages=stages, tma=tma, pair=pair, halves=False))
+            if bn >= _HALVES_MIN_N and m > 64:
+                out.append(dict(BLOCK_M=bm, BLOCK_N=bn, GROUP_M=8, num_warps=warps, num_stages=stages, tma=tma,
+                                pair=False, halves=True))
     return out
 
 
@@ -260,12 +297,15 @@ def gemm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale_inv:
         cfg.update(tuned)
     if config:
         cfg.update(config)
+    halves = bool(cfg.get("halves", False))
+    if halves and (cfg["pair"] or cfg["BLOCK_N"] % 32):
+        raise ValueError(f"fp8 GEMM launch {cfg}: halves needs pair=False and BLOCK_N a multiple of 32")
     tma = cfg["tma"] and tma_ok(xq) and tma_ok(wq)   # descriptor loads where the tensors allow (same bits)
     if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         x_arg = TensorDescriptor.from_tensor(xq, [cfg["BLOCK_M"], group])
-        w_arg = TensorDescriptor.from_tensor(wq, [cfg["BLOCK_N"], group])
+        w_arg = TensorDescriptor.from_tensor(wq, [cfg["BLOCK_N"] // (2 if halves else 1), group])
     else:
         x_arg, w_arg = xq, wq
     grid = (cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"]),)
@@ -273,7 +313,7 @@ def gemm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale_inv:
            x_arg, x_scale, w_arg, w_scale_inv, bias if bias is not None else out, out, m, n, k, xq.stride(0),
            xq.stride(1), x_scale.stride(0), x_scale.stride(1), wq.stride(0), wq.stride(1), w_scale_inv.stride(0),
            w_scale_inv.stride(1), out.stride(0), out.stride(1), GROUP=group, HAS_BIAS=bias is not None,
-           OUT_BF16=out_dtype == torch.bfloat16, UPCAST=INTERPRET, TMA=tma, PAIR=bool(cfg["pair"]),
+           OUT_BF16=out_dtype == torch.bfloat16, UPCAST=INTERPRET, TMA=tma, PAIR=bool(cfg["pair"]), HALVES=halves,
            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"],
            num_stages=cfg["num_stages"], **LAUNCH)
     return out
