@@ -227,13 +227,18 @@ def _config(m: int, n: int) -> dict:
     (``hal tune``, hal/kernels/tuning.py) replaces it per shape class. These are what the H200 tuning chose
     in 12 of 12 DeepSeek-V3-like shapes (bench/results/h200-2026-12-03-session14: 64 x 32 tiles, two K
     blocks a step at M <= 64; 64 x 128 by descriptor, 3-4 stages, above), 1.1-1.8x faster there than
-    the table before. Hopper's FP8 wgmma needs BLOCK_M >= 64; the interpreter takes small tiles so that N
-    and M edges are crossed."""
+    the table before. Since session 17 (HALVES, bench/results/h200-2026-12-04-session17): 128 x 256 tiles
+    as two 128-column halves by descriptor where they still give at least one program per SM and N >= 4096
+    (the tuner's pick at M = 1024 and 8192 for N = 4096 and 7168: 1.07-1.26x the 64 x 128 tiles; at N = 2112
+    it kept 128 x 64 and 128 x 128 tiles, within 1-9% of 64 x 128). Hopper's FP8 wgmma needs BLOCK_M >= 64;
+    the interpreter takes small tiles so that N and M edges are crossed."""
     if INTERPRET:
-        return dict(BLOCK_M=16, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=1, tma=False, pair=False)
+        return dict(BLOCK_M=16, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=1, tma=False, pair=False, halves=False)
     if m <= 64:
-        return dict(BLOCK_M=64, BLOCK_N=32, GROUP_M=1, num_warps=4, num_stages=4, tma=False, pair=True)
-    return dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=3, tma=True, pair=False)
+        return dict(BLOCK_M=64, BLOCK_N=32, GROUP_M=1, num_warps=4, num_stages=4, tma=False, pair=True, halves=False)
+    if n >= 4096 and cdiv(m, 128) * cdiv(n, 256) >= 128:
+        return dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=8, num_warps=8, num_stages=3, tma=True, pair=False, halves=True)
+    return dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=3, tma=True, pair=False, halves=False)
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) worth timing on Hopper. A stage holds (BLOCK_M + BLOCK_N) x 128
