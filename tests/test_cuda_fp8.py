@@ -91,8 +91,8 @@ def test_every_tile_configuration_gives_the_same_bits(cuda):
 
 def test_every_fp8_autotuner_candidate_gives_the_same_bits(cuda):
     """The tuner's whole candidate set (``fp8_gemm.candidates``: tiles, GROUP_M, PAIR (two K blocks per
-    loop step) and HALVES (a wide tile's columns as two MMAs)) at an odd and an even number of K blocks, M on both sides of the 64-row tile choice: every
-    configuration gives the kernel's own bits (warps, stages and descriptor loads do nothing under the
+    loop step) and HALVES (a wide tile's columns as two MMAs)) at an odd and an even number of K blocks, M
+    on both sides of the 64-row tile choice: every configuration gives the kernel's own bits (warps, stages and descriptor loads do nothing under the
     interpreter: bench/fp8_gpu.py checks the same list on the GPU). Negative control: the same block
     partials added in descending order give other bits, so the order PAIR keeps is what the equality needs."""
     from hal.kernels import fp8_gemm

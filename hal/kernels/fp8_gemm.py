@@ -13,8 +13,9 @@ Reduction structure (contract [fp8], read from ``activation_group``; see hal/fp8
     acc = fl32(acc + fl32(partial * fl32(a_scale * w_scale_inv))) in ascending block order from +0
     (``LAUNCH`` disables FMA contraction); the bias in fp32; one rounding.
 
-Tiling (BLOCK_M, BLOCK_N, warps, stages), descriptor (TMA) or pointer loads, and one or two K blocks
-per loop step (PAIR) are free: every launch walks the same blocks and adds them in the same order.
+Tiling (BLOCK_M, BLOCK_N, warps, stages), descriptor (TMA) or pointer loads, one or two K blocks per
+loop step (PAIR) and a tile's columns as one MMA or two (HALVES) are free: every launch walks the same
+blocks, gives each column its own block partials, and adds them in the same order.
 ``candidates`` lists them; the tuner (hal/kernels/tuning.py) picks by timing. BLOCK_K is G, so one
 ``tl.dot`` is one K block: splitting a block into two dots would change the order inside it, which the
 contract leaves to the backend but which must then be fixed.
@@ -248,7 +249,8 @@ def _config(m: int, n: int) -> dict:
 # small M more programs than the 132 SMs.
 _TILES = [(64, 32, 4, 4), (64, 32, 4, 6), (64, 64, 4, 3), (64, 64, 4, 4), (64, 64, 4, 6), (64, 128, 4, 2),
           (64, 128, 4, 3), (64, 128, 4, 4), (64, 128, 4, 6), (64, 256, 4, 3),
-          (128, 64, 4, 3), (128, 64, 4, 4), (128, 128, 4, 3), (128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3), (128, 256, 8, 4)]
+          (128, 64, 4, 3), (128, 64, 4, 4), (128, 128, 4, 3), (128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3),
+          (128, 256, 8, 4)]
 _SHARED_BYTES = 200 * 1024   # of the H200's 227 KB per block, room left for the layout conversions
 _PAIR_ACC_PER_THREAD = 64    # fp32 accumulator values per thread up to which PAIR's two extra tiles fit
 _HALVES_MIN_N = 128          # HALVES (two half-width MMAs and partials) for tiles at least this wide, above 64 rows

@@ -11,7 +11,8 @@ one (BLOCK_M, BLOCK_N) tile of one expert, gathers its rows, and reduces K exact
 (``hal/kernels/gemm.py``, direct launch): chunks of K_CHUNK at absolute offsets, each from zero by
 ``tl.dot`` steps, chunk sums added in ascending order from +0, one rounding. A slot's output is
 therefore the dense ``linear`` of its token's row alone: which tokens share the expert, how many
-there are and where the expert sits change only which tile the row lands in, never its bits.
+there are and where the expert sits change only which tile the row lands in, never its bits. Decode
+batches skip the sort (``sort_slots``' slot tiles: each slot a tile of its own) for the same reason.
 
 Routing reduction structure:
   softmax: max over the row (exact), e = exp(fl32(x - max)), S = one ``tl.sum`` over the E_PAD lanes
