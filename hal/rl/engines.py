@@ -110,10 +110,11 @@ class VllmRolloutEngine:
     """vLLM (in this process) over ``run_dir/engine-model``, bound like the trainer's ``backend``."""
 
     def __init__(self, model: DecoderLM, recipe: Recipe, backend: Backend, run_dir: Path):
-        if model.config.kv_cache_dtype != "auto":
-            # the checkpoint vLLM loads does not carry it, and the vLLM route runs no FP8 KV cache yet
-            raise UnsupportedError(f"the vLLM rollout engine has no HAL route for kv_cache_dtype "
-                                   f"{model.config.kv_cache_dtype!r} yet; use engine: harness for an FP8 KV cache")
+        if model.config.kv_cache_dtype != "auto" and backend.contract is None:
+            # stock vLLM would quantise the cache with its own per-tensor scale, which no trainer computes
+            raise UnsupportedError(f"an FP8 KV cache (kv_cache_dtype {model.config.kv_cache_dtype!r}) in the vLLM "
+                                   f"rollout needs a contract backend (the HAL's FP8 cache route); the stock "
+                                   f"baseline would run vLLM's own")
         if model.config.fp8 is not None and backend.contract is None:
             # stock vLLM would load the checkpoint with its own Fp8LinearMethod (its scales and kernels):
             # no baseline compares with it; a HAL-bound engine runs the contract's [fp8] (hal.vllm.quant)
@@ -143,6 +144,7 @@ class VllmRolloutEngine:
                                  speculative_tokens=self.speculative_tokens,
                                  draft_model=recipe.vllm.draft_checkpoint,
                                  prefix_caching=recipe.vllm.prefix_caching,
+                                 kv_cache_dtype=model.config.kv_cache_dtype,
                                  multiprocess=bool(self.speculative_tokens) and not on_gpu)
         self._spec_seen = {"draft_tokens": 0, "accepted_tokens": 0}
         reported = self.engine.reported_binding()

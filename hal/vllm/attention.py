@@ -12,6 +12,14 @@ Both stock backends keep a layer's K and V side by side in one cache of logical 
 (pages, Hkv, P, 2D); the route reads them as the HAL's (pages, P, Hkv, D) views (strided, no copy).
 The route decides per engine (``quant.bound_config()`` at construction) and stays stock for engines
 that are not HAL-bound.
+
+FP8 KV cache (``kv_cache_dtype="fp8"``, under a contract with [fp8]): vLLM allocates the cache one byte
+per element; the route writes it with ``fp8_write_kv`` (the contract's kv_format, e4m3, each (token,
+head) vector quantised by its own scale) and reads it with ``fp8_attention`` (the one read path prefill,
+chunked prefill and decode share), as the trainer's ``hal.fp8.Fp8KVCache`` does. vLLM's cache has no
+room for per-(token, head) scales, so each layer's route keeps them beside it (``_kv_scales``: two fp32
+tensors of (pages, P, Hkv), 8 bytes per token and KV head, 4 / head_dim of the fp8 cache's bytes),
+indexed by the same pages, so prefix caching and preemption see the scales of the bytes they reuse.
 """
 
 from __future__ import annotations
@@ -21,9 +29,13 @@ import torch
 from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
+from hal import fp8
 from hal.backend import AttentionMetadata, mark_values_checked
 from hal.errors import UnsupportedError
 from hal.vllm import quant
+
+#: vLLM's kv_cache_dtype values the route realises as the contract's FP8 KV cache (kv_format e4m3)
+FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
 
 
 def hal_cache_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,21 +57,52 @@ class HalAttentionRoute:
         self.hal = quant.bound_config()
         if self.hal is None:
             return
+        self.fp8_kv = kv_cache_dtype in FP8_KV_CACHE_DTYPES
+        self._scales = None                   # (the cache it belongs to, K scales, V scales): ``_kv_scales``
         refused = {"ALiBi": alibi_slopes is not None, "a sliding window": sliding_window is not None,
                    "a logits soft-cap": bool(logits_soft_cap), "attention sinks": sinks is not None,
                    f"attention type {attn_type}": attn_type != AttentionType.DECODER,
-                   f"KV cache dtype {kv_cache_dtype}": kv_cache_dtype != "auto",
+                   f"KV cache dtype {kv_cache_dtype}": kv_cache_dtype not in ("auto", *FP8_KV_CACHE_DTYPES),
                    "KV sharing": kv_sharing_target_layer_name is not None,
                    **{f"{k}={v!r}": True for k, v in platform_kwargs.items()
                       if (k, v) not in (("use_alibi_sqrt", False), ("chunk_lookback", -1))}}
         if any(refused.values()):
             raise UnsupportedError(f"hal vLLM plugin: attention with {', '.join(k for k, v in refused.items() if v)} "
                                    f"has no HAL route")
+        if self.fp8_kv:
+            spec = fp8.spec_of(self.hal.backend().contract, f"hal vLLM plugin: kv_cache_dtype {kv_cache_dtype!r}")
+            if spec.kv_format != "e4m3" or spec.kv_scale != "per_token_head":
+                raise UnsupportedError(f"hal vLLM plugin: kv_cache_dtype {kv_cache_dtype!r} is routed as an e4m3 cache "
+                                       f"with per-(token, head) scales; the contract's [fp8] says kv_format "
+                                       f"{spec.kv_format!r}, kv_scale {spec.kv_scale!r}")
+
+    def _kv_scales(self, k_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fp32 (pages, P, Hkv) K and V scales of this layer's FP8 cache (module docstring), made with
+        the first write to that cache (NaN: unwritten, which [attention].mask keeps out, as in
+        ``Fp8KVCache``) and made again if vLLM hands the layer another cache tensor."""
+        key = (k_cache.data_ptr(), tuple(k_cache.shape[:3]), k_cache.device)
+        if self._scales is None or self._scales[0] != key:
+            if k_cache.is_cuda and torch.cuda.is_current_stream_capturing():
+                # made inside a graph capture, their fill would be replayed at every step
+                raise UnsupportedError("hal vLLM plugin: the FP8 KV cache's scales must be made before a CUDA "
+                                       "graph is captured (a write to the cache outside capture makes them)")
+            scales = [torch.full(k_cache.shape[:3], float("nan"), dtype=torch.float32, device=k_cache.device)
+                      for _ in range(2)]
+            self._scales = (key, *scales)
+        return self._scales[1], self._scales[2]
+
+    def _fp8_views(self, kv_cache: torch.Tensor):
+        """(K, V, K scales, V scales) of an FP8 cache: vLLM's one-byte elements viewed as e4m3."""
+        k_cache, v_cache = (c.view(fp8.FORMATS["e4m3"]) for c in hal_cache_views(kv_cache))
+        return (k_cache, v_cache, *self._kv_scales(k_cache))
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         if self.hal is None:
             return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
         n = slot_mapping.shape[0]
+        if self.fp8_kv:
+            self.hal.backend().fp8_write_kv(key[:n], value[:n], *self._fp8_views(kv_cache), slot_mapping)
+            return
         k_cache, v_cache = hal_cache_views(kv_cache)
         self.hal.backend().write_kv(key[:n], value[:n], k_cache, v_cache, slot_mapping)
 
@@ -75,8 +118,11 @@ class HalAttentionRoute:
                                    "HAL route")
         n = attn_metadata.num_actual_tokens
         meta = _hal_metadata(attn_metadata)
-        k_cache, v_cache = hal_cache_views(kv_cache)
-        out = self.hal.backend().attention(query[:n], k_cache, v_cache, meta, scale=self.scale)
+        if self.fp8_kv:
+            out = self.hal.backend().fp8_attention(query[:n], *self._fp8_views(kv_cache), meta, scale=self.scale)
+        else:
+            k_cache, v_cache = hal_cache_views(kv_cache)
+            out = self.hal.backend().attention(query[:n], k_cache, v_cache, meta, scale=self.scale)
         output[:n].copy_(out.reshape(output[:n].shape))
         return output
 

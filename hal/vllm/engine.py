@@ -98,6 +98,9 @@ class VllmEngine:
     the drafts come from vLLM's draft-model proposer instead; the verification is the same.
     ``prefix_caching``: vLLM's prefix cache on or off (None: vLLM's default, on); a HAL-bound engine's
     cache hits give the recomputed bits (``tests/test_vllm.py``).
+    ``kv_cache_dtype="fp8"`` (HAL-bound engines under a contract with [fp8]): the contract's FP8 KV cache,
+    written and read by the HAL (``hal.vllm.attention``), the same cache a trainer's model with
+    ``kv_cache_dtype "fp8"`` computes through; a run-time choice, as in vLLM, not in the checkpoint.
     """
 
     def __init__(self, model_dir: str | os.PathLike, *, binding: EngineBinding | None, dtype: str,
@@ -105,7 +108,8 @@ class VllmEngine:
                  seed: int = 0, multiprocess: bool = False, enforce_eager: bool = True,
                  gpu_memory_utilization: float | None = None, block_size: int | None = None,
                  async_scheduling: bool | None = None, speculative_tokens: int = 0,
-                 draft_model: str | os.PathLike | None = None, prefix_caching: bool | None = None):
+                 draft_model: str | os.PathLike | None = None, prefix_caching: bool | None = None,
+                 kv_cache_dtype: str = "auto"):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
         self.multiprocess = multiprocess
         from vllm import LLM
@@ -121,6 +125,14 @@ class VllmEngine:
             kwargs["block_size"] = block_size
         if prefix_caching is not None:
             kwargs["enable_prefix_caching"] = bool(prefix_caching)
+        if kv_cache_dtype != "auto":
+            from hal.vllm.attention import FP8_KV_CACHE_DTYPES
+
+            if binding is None or kv_cache_dtype not in FP8_KV_CACHE_DTYPES:
+                # stock vLLM would quantise with its own per-tensor scale: no trainer computes that cache
+                raise UnsupportedError(f"vLLM engine: kv_cache_dtype {kv_cache_dtype!r} needs a HAL binding and one "
+                                       f"of {FP8_KV_CACHE_DTYPES} (the contract's FP8 KV cache)")
+            kwargs["kv_cache_dtype"] = kv_cache_dtype
         if speculative_tokens < 0:
             raise UnsupportedError(f"vLLM engine: speculative_tokens must be >= 0, got {speculative_tokens}")
         if draft_model is not None and not speculative_tokens:

@@ -215,9 +215,15 @@ class ReferenceBackend(Backend):
                            fp8.spec_of(self.contract, "reference.fp8_write_kv"))
 
     def fp8_attention(self, q, k_cache, v_cache, k_scale, v_scale, meta: AttentionMetadata, *, scale):
-        # the read path materialised, then the contract's attention: exact by construction
-        return self.attention(q, fp8.dequantise_kv(k_cache, k_scale, q.dtype), fp8.dequantise_kv(v_cache, v_scale, q.dtype),
-                              meta, scale=scale)
+        # the read path materialised, then the contract's attention: exact by construction. Only the pages
+        # the block table names are read (a vLLM engine's cache is mostly pages of other requests, or none);
+        # the table is renumbered to them, so every key meets the same dequantised values.
+        pages = torch.unique(meta.block_table.long())
+        table = torch.searchsorted(pages, meta.block_table.long()).to(meta.block_table.dtype)
+        per_token = k_scale.dim() > 0
+        k = fp8.dequantise_kv(k_cache[pages], k_scale[pages] if per_token else k_scale, q.dtype)
+        v = fp8.dequantise_kv(v_cache[pages], v_scale[pages] if per_token else v_scale, q.dtype)
+        return self.attention(q, k, v, AttentionMetadata(meta.query_start_loc, meta.seq_lens, table), scale=scale)
 
 
 __all__ = ["ReferenceBackend", "exact"]
