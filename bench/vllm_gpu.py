@@ -63,8 +63,27 @@ SHAPES = {  # random-weight models shaped like these (issue #19); tiny: a quick 
 CONTRACTS = {"qwen3_moe": "bf16-moe-v1"}
 
 
-def contract_for(model_dir: Path) -> str | None:
-    return json.loads((model_dir / "bench_meta.json").read_text()).get("contract")
+def contract_for(model_dir: Path, kv_cache_dtype: str = "auto") -> str | None:
+    """The contract both sides run: the checkpoint's, or with an FP8 KV cache bf16-fp8-v1 (its [fp8])."""
+    contract = json.loads((model_dir / "bench_meta.json").read_text()).get("contract")
+    if kv_cache_dtype == "auto":
+        return contract
+    if contract is not None:
+        raise SystemExit(f"--kv-cache-dtype {kv_cache_dtype}: only for dense shapes (this one runs {contract})")
+    return "bf16-fp8-v1"
+
+
+def trainer_for(model_dir: Path, kv_cache_dtype: str):
+    """The trainer model on the cuda backend, with the engine's KV cache kind (a run-time choice)."""
+    import dataclasses
+
+    from hal.api import create_backend
+    from hal.model.checkpoint import load_pretrained
+
+    trainer = load_pretrained(model_dir, backend=create_backend("cuda", contract_for(model_dir, kv_cache_dtype)),
+                              device="cuda")
+    trainer.config = dataclasses.replace(trainer.config, kv_cache_dtype=kv_cache_dtype)
+    return trainer
 
 
 ENGINES = ("hal", "hal-eager", "hal-async", "stock", "batch-invariant")
@@ -91,12 +110,14 @@ def run_engine(args) -> None:
     config = json.loads((model_dir / "bench_meta.json").read_text())
     reqs = requests(args.requests, args.new_tokens, config["vocab_size"])
     hal_bound = args.engine.startswith("hal")
-    binding = resolve_binding({"backend": "cuda", "contract": config.get("contract")}) if hal_bound else None
+    contract = contract_for(model_dir, args.kv_cache_dtype)
+    binding = resolve_binding({"backend": "cuda", "contract": contract}) if hal_bound else None
     t0 = time.perf_counter()
     engine = VllmEngine(model_dir, binding=binding, dtype="bfloat16", max_model_len=1024,
                         max_num_seqs=args.requests, max_num_batched_tokens=8192,
                         enforce_eager=args.engine == "hal-eager", gpu_memory_utilization=GPU_MEMORY_UTILIZATION,
-                        block_size=args.block_size, async_scheduling=args.engine == "hal-async")
+                        block_size=args.block_size, async_scheduling=args.engine == "hal-async",
+                        kv_cache_dtype=args.kv_cache_dtype)
     result = {"engine": args.engine, "start_s": time.perf_counter() - t0,
               "block_size": engine.llm.llm_engine.vllm_config.cache_config.block_size}
     print(f"{args.engine}: KV pages of {result['block_size']} keys", flush=True)
@@ -139,7 +160,7 @@ def run_engine(args) -> None:
                                        "cached_prompt_tokens": c.cached_prompt_tokens} for c in passes[0]]
             result["cache_check"] = [{"tokens": c.tokens, "logprobs": c.logprobs,
                                       "cached_prompt_tokens": c.cached_prompt_tokens} for c in passes[1]]
-            trainer = synced_trainer(model_dir)
+            trainer = synced_trainer(model_dir, args.kv_cache_dtype)
             nbytes = sum(p.numel() * p.element_size() for p in trainer.parameters())
             torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -335,12 +356,9 @@ def python_profiled(table: Path):
 SYNC_SCALE = 1.0078125   # the weight sync's new model: every weight times 1 + 2**-7 (rounded to bf16)
 
 
-def synced_trainer(model_dir: Path):
+def synced_trainer(model_dir: Path, kv_cache_dtype: str):
     """The trainer model a HAL-bound engine is synced to: the checkpoint's weights times SYNC_SCALE."""
-    from hal.api import create_backend
-    from hal.model.checkpoint import load_pretrained
-
-    trainer = load_pretrained(model_dir, backend=create_backend("cuda", contract_for(model_dir)), device="cuda")
+    trainer = trainer_for(model_dir, kv_cache_dtype)
     with torch.no_grad():
         for p in trainer.parameters():
             p.mul_(SYNC_SCALE)
@@ -408,6 +426,8 @@ def main(argv=None) -> int:
                         help="after the timed generate, profile another (torch.profiler; tables next to its results)")
     parser.add_argument("--block-size", type=int, default=None,
                         help="KV-cache page size of every engine (default: each attention backend's preference)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
+                        help="fp8: the contract's FP8 KV cache in the engine and the trainer (bf16-fp8-v1)")
     parser.add_argument("--workdir", default="/tmp/vllm-gpu-bench")
     parser.add_argument("--json", default=None)
     parser.add_argument("--engine", choices=ENGINES, help=argparse.SUPPRESS)   # child mode
@@ -422,9 +442,6 @@ def main(argv=None) -> int:
     if unknown:
         parser.error(f"unknown engines {unknown}; choose from {', '.join(ENGINES)}")
 
-    from hal.api import create_backend
-    from hal.model.checkpoint import load_pretrained
-
     work = Path(args.workdir)
     model_dir = work / f"model-{args.shape}"
     meta = model_dir / "bench_meta.json"
@@ -438,7 +455,8 @@ def main(argv=None) -> int:
         out, log = work / f"{args.shape}-{name}.pt", work / f"{args.shape}-{name}.log"
         out.unlink(missing_ok=True)
         cmd = [sys.executable, __file__, "--engine", name, "--model", str(model_dir), "--out", str(out),
-               "--requests", str(args.requests), "--new-tokens", str(args.new_tokens)] + (["--profile"] if args.profile else [])
+               "--requests", str(args.requests), "--new-tokens", str(args.new_tokens),
+               "--kv-cache-dtype", args.kv_cache_dtype] + (["--profile"] if args.profile else [])
         if args.block_size:
             cmd += ["--block-size", str(args.block_size)]
         print(f"== engine {name}", flush=True)
@@ -456,7 +474,7 @@ def main(argv=None) -> int:
             print(f"{name}: FAILED (rc {rc}); last lines:\n" + "\n".join(tail[-40:]), flush=True)
         results[name] = r
 
-    trainer = load_pretrained(model_dir, backend=create_backend("cuda", contract_for(model_dir)), device="cuda")
+    trainer = trainer_for(model_dir, args.kv_cache_dtype)
     reqs = requests(args.requests, args.new_tokens, vocab)
     rows = []
     for name, r in results.items():

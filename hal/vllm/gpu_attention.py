@@ -48,7 +48,8 @@ class HalGpuMetadataBuilder(TritonAttentionMetadataBuilder):
 class HalGpuAttentionBackend(TritonAttentionBackend):
     """``attention_config={"backend": "CUSTOM"}``: the HAL's paged attention on vLLM's Triton cache."""
 
-    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto"]
+    # "fp8": the contract's FP8 KV cache through the route (hal.vllm.attention), on vLLM's one-byte cache
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", "fp8", "fp8_e4m3"]
 
     @staticmethod
     def get_name() -> str:
