@@ -59,6 +59,9 @@ class HalAttentionRoute:
             return
         self.fp8_kv = kv_cache_dtype in FP8_KV_CACHE_DTYPES
         self._scales = None                   # (the cache it belongs to, K scales, V scales): ``_kv_scales``
+        # the HAL's attention takes q in the activation dtype: vLLM 0.26's CUDA Triton implementation would
+        # otherwise have the layer quantise q to fp8 whenever the cache is fp8
+        self.supports_quant_query_input = False
         refused = {"ALiBi": alibi_slopes is not None, "a sliding window": sliding_window is not None,
                    "a logits soft-cap": bool(logits_soft_cap), "attention sinks": sinks is not None,
                    f"attention type {attn_type}": attn_type != AttentionType.DECODER,
