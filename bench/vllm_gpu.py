@@ -406,7 +406,7 @@ def compare(trainer, reqs, r: dict, model_dir: Path) -> dict:
     if "post_sync_check" in r:
         post = r["post_sync_check"]
         sequences = [list(q.prompt) + list(p["tokens"]) for q, p in zip(reqs, post)]
-        new_weights = synced_trainer(Path(model_dir))
+        new_weights = synced_trainer(Path(model_dir), trainer.config.kv_cache_dtype)
         s = compare_logprobs(trainer_logprobs(new_weights, sequences, [len(q.prompt) for q in reqs[:len(post)]]),
                              [p["logprobs"] for p in post])
         del new_weights
