@@ -547,6 +547,35 @@ def test_a_token_embedding_used_as_the_lm_head_computes_logits_through_the_hal(h
     assert not torch.equal(torch.nn.functional.linear(x, embedding.weight).float(), logits)
 
 
+def test_attention_route_takes_the_contracts_fp8_kv_cache_and_refuses_other_kinds(hal_bound, monkeypatch):
+    """The attention route realises ``kv_cache_dtype`` "fp8" / "fp8_e4m3" only as the contract's FP8 cache
+    (e4m3, per-(token, head) scales): under a contract without [fp8] it refuses, as it does e5m2 (the
+    contract's kv_format is e4m3) and any other cache kind; with it, the route keeps q in the activation dtype."""
+    from types import SimpleNamespace
+
+    from vllm.v1.attention.backends import cpu_attn
+
+    from hal.errors import UnsupportedError
+    from hal.vllm import quant
+    from hal.vllm.attention import HalCpuAttentionImpl
+
+    # the stock implementation reads the model's dtype from the engine's config (which has no model here)
+    monkeypatch.setattr(cpu_attn, "get_current_vllm_config",
+                        lambda: SimpleNamespace(model_config=SimpleNamespace(dtype=torch.bfloat16)))
+    build = lambda dtype: HalCpuAttentionImpl(4, 32, 32 ** -0.5, 2, None, None, dtype)
+    with pytest.raises(UnsupportedError, match=r"kv_cache_dtype 'fp8'.*no \[fp8\] section"):
+        build("fp8")                                     # hal_bound's contract: bf16-dense-v1
+    fp8_bound = quant.HalConfig({"backend": "reference", "contract": "bf16-fp8-v1"})
+    monkeypatch.setattr(quant, "bound_config", lambda: fp8_bound)
+    for refused in ("fp8_e5m2", "int8_per_token_head"):
+        with pytest.raises(UnsupportedError, match=f"KV cache dtype {refused} has no HAL route"):
+            build(refused)
+    for dtype in ("fp8", "fp8_e4m3"):
+        route = build(dtype)
+        assert route.fp8_kv and not route.supports_quant_query_input
+    assert not build("auto").fp8_kv
+
+
 def test_ops_of_an_engine_without_the_plugin_stay_stock(vllm_config_context):
     from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm
 
