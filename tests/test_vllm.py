@@ -838,7 +838,8 @@ def test_long_context_across_kv_split_diff_zero(engines):
 def test_gpu_attention_route_is_wired_as_documented():
     """The CUDA route (vLLM 0.26's CUSTOM member; written against 0.26's source, run on a GPU only) imports
     under this vLLM and is the shared HAL route over Triton's implementation; decode steps go into full CUDA
-    graphs (uniform single-token batches), other steps run piecewise; KV pages of the contract's KV chunk."""
+    graphs (uniform single-token batches), other steps run piecewise; KV pages of the contract's KV chunk; the
+    KV cache kinds the route realises."""
     from vllm.v1.attention.backend import AttentionCGSupport
 
     from hal.vllm import gpu_attention
@@ -852,7 +853,10 @@ def test_gpu_attention_route_is_wired_as_documented():
 
     with set_current_vllm_config(VllmConfig()):
         assert backend.get_preferred_block_size(16) == 64          # bf16-dense-v1's kv_chunk
-    assert backend.supported_kv_cache_dtypes == ["auto"]
+    from hal.vllm.attention import FP8_KV_CACHE_DTYPES
+
+    # the route's own kinds: bf16 and the contract's FP8 cache (run on the H200: session 17's call 9)
+    assert backend.supported_kv_cache_dtypes == ["auto", *FP8_KV_CACHE_DTYPES]
 
 
 def test_speculating_recipe_on_vllm_diff_zero_every_step(engines, tmp_path):
