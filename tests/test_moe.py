@@ -389,7 +389,10 @@ def test_cuda_slot_tiles_give_the_sorted_layouts_bits(cuda):
     run = lambda tiles, xs=x, ws=w, s=spec: kernels.experts(xs, ws["w13"], ws["w2"], weights, ids, shared.to(xs.dtype),
                                                             s, slot_tiles=tiles)
     assert torch.equal(run(True), run(False))
-    assert torch.equal(run(None), run(False))                 # 30 slots over 8 experts: the sorted default
+    # the default: slot tiles up to SLOT_TILES_MAX_PER_EXPERT slots per expert (2 of 8 here), sorted above
+    assert kernels.sort_slots(ids[:1, :2], E, 16).positions == 2 * 16
+    assert kernels.sort_slots(ids, E, 16).positions == -(-(30 + E * 15) // 16) * 16
+    assert torch.equal(run(None), run(False))
     x32, w32 = x.float(), {name: t.float() for name, t in w.items()}
     assert torch.equal(run(True, x32, w32), run(False, x32, w32))
     half = dataclasses.replace(spec, k_chunk=spec.k_chunk // 2)
