@@ -413,7 +413,7 @@ def slot_tiles(cuda, tokens, shape):
     rows = []
     for t in tokens:
         x = torch.randn(t, shape["hidden"], generator=torch.Generator().manual_seed(t)).to(torch.bfloat16).cuda()
-        default = t * shape["top_k"] <= kernels.SLOT_TILES_MAX_PER_EXPERT * shape["experts"]
+        default = kernels.takes_slot_tiles(t * shape["top_k"], shape["experts"])
         row = dict(tokens=t, default_slot_tiles=default)
         outs = {}
         for tiles in (True, False):

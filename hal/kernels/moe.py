@@ -432,6 +432,11 @@ def _slot_tiles_kernel(token_ptr, position_ptr, slots, TOP_K: tl.constexpr, BLOC
 #: times both layouts and checks their bits.
 SLOT_TILES_MAX_PER_EXPERT = 0.25
 
+
+def takes_slot_tiles(slots: int, num_experts: int) -> bool:
+    """Whether ``sort_slots`` gives ``slots`` slots over ``num_experts`` experts slot tiles by default."""
+    return slots <= SLOT_TILES_MAX_PER_EXPERT * num_experts
+
 #: warps of the one-program sort (free: it counts and scans integers, exact in any order; bench/moe_gpu.py
 #: --sort-warps times them)
 ONE_PROGRAM_SORT_WARPS = 4
@@ -453,8 +458,9 @@ def sort_slots(ids: torch.Tensor, num_experts: int, block_m: int, *, slot_tiles:
     t, k = ids.shape
     device = ids.device
     slots = t * k
+    flat = ids.reshape(-1).to(torch.int32).contiguous()
     if slot_tiles is None:
-        slot_tiles = slots <= SLOT_TILES_MAX_PER_EXPERT * num_experts
+        slot_tiles = takes_slot_tiles(slots, num_experts)
     if slot_tiles:
         token = torch.empty(slots * block_m, dtype=torch.int32, device=device)
         position = torch.empty(slots, dtype=torch.long, device=device)
@@ -462,13 +468,12 @@ def sort_slots(ids: torch.Tensor, num_experts: int, block_m: int, *, slot_tiles:
             block = min(64, max(16, next_power_of_2(slots)))
             launch(_slot_tiles_kernel, (cdiv(slots, block),), token, position, slots, TOP_K=k, BLOCK_M=block_m,
                    BLOCK=block, num_warps=1, **LAUNCH)
-        return SortedSlots(block_m, token, position.view(t, k), ids.reshape(-1).to(torch.int32).contiguous())
+        return SortedSlots(block_m, token, position.view(t, k), flat)
     e_pad = next_power_of_2(num_experts)
     chunk = max(16, min(256, 16384 // e_pad))        # a (chunk, E_PAD) one-hot per program
     chunks = max(1, cdiv(slots, chunk))
     total = -(-(slots + num_experts * (block_m - 1)) // block_m) * block_m
     num_tiles = total // block_m
-    flat = ids.reshape(-1).to(torch.int32).contiguous()
     token = torch.empty(total, dtype=torch.int32, device=device)
     position = torch.empty(slots, dtype=torch.long, device=device)
     tile_expert = torch.empty(num_tiles, dtype=torch.int32, device=device)
