@@ -28,9 +28,8 @@ calls the kernel module directly. Sections (``--only``), each with a printed tab
   ceiling   (GPU only) large M, a diagnosis: our kernel against the same loop without the contract's scales
             (all K blocks chained into one accumulator; each block's partial added unscaled) at our tile and
             wider ones, and cuBLAS's block-scaled GEMM: which part of the gap the promotion, the scales and
-            the tile are. Those variants' outputs are not the contract's and are not checked. Beside them our
-            kernel at other contract launches (HALVES, LAG, PREFETCH; bitwise == its own launch, checked) and
-            the wgmma waits Triton compiled for each (TTGIR), which show whether LAG's MMA runs on.
+            the tile are. Those variants' outputs are not the contract's and are not checked; our kernel
+            with the scales in the quantiser's old row-major layout is, against its own launch.
   speed     (GPU only, not with --small) median times by ``triton.testing.do_bench`` (CUDA events per call,
             L2 flushed between calls) of our linear (quantisation + GEMM) and our GEMM (tuned, and the
             kernel's own launch), cuBLAS bf16 (``F.linear``), ``torch._scaled_mm`` (rowwise, tensorwise,
@@ -693,40 +692,6 @@ def _ceiling_kernel(xq, wq, out_ptr, M, N, K, stride_om, PROMOTE: tl.constexpr, 
 
 
 CEILING_TILES = [(64, 128, 4, 3), (128, 128, 8, 3), (128, 256, 8, 3), (128, 256, 8, 4)]
-# Contract launches of our kernel beside its own: (BLOCK_M, BLOCK_N, warps, stages, halves, lag, prefetch).
-# Their outputs must be the own launch's bits (checked here too).
-CEILING_OURS = [(128, 128, 8, 3, True, False, False), (128, 128, 8, 3, True, False, True),
-                (128, 128, 8, 3, True, True, False), (128, 128, 8, 3, True, True, True),
-                (128, 128, 8, 4, True, True, True), (64, 128, 4, 3, False, False, True),
-                (64, 128, 4, 3, True, True, True), (64, 128, 4, 4, True, True, True),
-                (64, 256, 4, 3, True, False, True), (128, 256, 8, 3, True, False, True),
-                (128, 256, 8, 3, True, True, True)]
-
-
-def _ours_config(bm, bn, warps, stages, halves, lag, prefetch):
-    return dict(BLOCK_M=bm, BLOCK_N=bn, GROUP_M=8, num_warps=warps, num_stages=stages, tma=True, pair=False,
-                halves=halves, lag=lag, prefetch=prefetch)
-
-
-def _variant_name(bm, bn, warps, stages, halves, lag, prefetch):
-    flags = "".join(f for f, on in (("H", halves), ("L", lag), ("P", prefetch)) if on) or "-"
-    return f"ours {bm}x{bn} w{warps} s{stages} {flags}"
-
-
-def mma_waits(xq, xs, wq, ws, config) -> list[int]:
-    """The ``pendings`` of every wgmma wait in the compiled kernel of ``config`` (TTGIR), in program order:
-    which MMAs Triton lets run on past the next instructions (a diagnosis of LAG)."""
-    import re
-
-    seen = []
-    real = fp8_gemm.launch
-    fp8_gemm.launch = lambda kernel, grid, *a, **kw: seen.append(real(kernel, grid, *a, **kw)) or seen[-1]
-    try:
-        fp8_gemm.gemm(xq, xs, wq, ws, None, torch.bfloat16, SPEC, config)
-    finally:
-        fp8_gemm.launch = real
-    ttgir = seen[-1].asm.get("ttgir", "") if seen and hasattr(seen[-1], "asm") else ""
-    return [int(p) for p in re.findall(r"warp_group_dot_wait[^\n]*pendings = (\d+)", ttgir)]
 
 
 def ceiling_section(device):
@@ -742,8 +707,12 @@ def ceiling_section(device):
         for m in (1024, 8192):
             x = torch.randn(m, k, device=device, generator=torch.Generator(device=device).manual_seed(m)).bfloat16()
             xq, xs = fp8_gemm.quantise_activations(x, SPEC)
+            xs_rows = xs.contiguous()     # the layout the quantiser wrote before session 18: one row's scales together
             variants = {"ours (contract, own launch)":
-                        lambda: fp8_gemm.gemm(xq, xs, w["wq"], w["ws"], None, torch.bfloat16, SPEC)}
+                        lambda: fp8_gemm.gemm(xq, xs, w["wq"], w["ws"], None, torch.bfloat16, SPEC),
+                        "ours, row-major scales":
+                        lambda: fp8_gemm.gemm(xq, xs_rows, w["wq"], w["ws"], None, torch.bfloat16, SPEC)}
+            own = variants["ours (contract, own launch)"]()
             try:
                 xs_col = xs.t().contiguous().t()     # the 1x128 scale layout cuBLAS takes (as in ``comparators``)
                 variants["cuBLAS block (_scaled_mm)"] = lambda: torch._scaled_mm(
@@ -752,19 +721,6 @@ def ceiling_section(device):
             except Exception as exc:  # noqa: BLE001 - this torch's cuBLAS lacks it here: say so
                 variants.pop("cuBLAS block (_scaled_mm)")
                 log(f"ceiling: cuBLAS block n/a: {first_line(exc)}")
-            own = variants["ours (contract, own launch)"]()
-            for spec in CEILING_OURS:
-                cfg = _ours_config(*spec)
-                variants[_variant_name(*spec)] = (lambda cfg=cfg: fp8_gemm.gemm(xq, xs, w["wq"], w["ws"], None,
-                                                                                 torch.bfloat16, SPEC, cfg))
-                if si == 0 and m == 1024:
-                    try:
-                        waits = mma_waits(xq, xs, w["wq"], w["ws"], cfg)
-                    except Exception as exc:  # noqa: BLE001 - a diagnosis: say why it is missing
-                        waits = first_line(exc)
-                    rows.append(dict(variant=_variant_name(*spec), config=cfg, wgmma_waits=waits))
-                    print(f"{'':>20} {_variant_name(*spec):>34} wgmma wait pendings (TTGIR order): {waits}",
-                          flush=True)
             out = torch.empty(m, n, device=device, dtype=torch.bfloat16)
             for bm, bn, warps, stages in CEILING_TILES:
                 xd = TensorDescriptor.from_tensor(xq, [bm, G])
@@ -782,7 +738,7 @@ def ceiling_section(device):
                 try:
                     result = fn()
                     torch.cuda.synchronize()
-                    if name.startswith("ours "):
+                    if name.startswith("ours"):
                         same = bool(torch.equal(bits(result), bits(own)))
                     us = bench_ms(fn) * 1000
                 except Exception as exc:  # noqa: BLE001 - a tile that does not fit: say so, go on

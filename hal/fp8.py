@@ -75,9 +75,6 @@ def quantise_pieces(x: torch.Tensor, spec: Fp8, fmt: str) -> tuple[torch.Tensor,
 
 
 def check_k(k: int, spec: Fp8, who: str) -> None:
-    if k <= 0:
-        raise UnsupportedError(f"{who}: K = {k}; an FP8 linear needs at least one K block of "
-                               f"{spec.activation_group}")
     if k % spec.activation_group:
         raise UnsupportedError(f"{who}: K = {k} is not a multiple of [fp8].activation_group = "
                                f"{spec.activation_group}; an FP8 linear's K must be whole groups (pad the weight's "

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from hal.contract import Fp8
-from hal.fp8 import FORMATS, check_k
+from hal.fp8 import FORMATS
 from hal.kernels.common import INTERPRET, LAUNCH, cdiv, to_activation
 from hal.kernels.launcher import launch
 from hal.kernels.policy import LaunchPolicy
@@ -67,7 +67,7 @@ def round_to_fp8(y, MANT: tl.constexpr, MIN_EXP: tl.constexpr):
 
 
 @triton.jit
-def _quant_kernel(x_ptr, q_ptr, s_ptr, stride_xm, stride_qm, stride_sm, floor, fmax,
+def _quant_kernel(x_ptr, q_ptr, s_ptr, stride_xm, stride_qm, stride_sm, stride_sg, floor, fmax,
                   GROUP: tl.constexpr, MANT: tl.constexpr, MIN_EXP: tl.constexpr, OUT_E5M2: tl.constexpr):
     """One program per (row, group): the group's scale from the group alone, then its fp8 values."""
     row = tl.program_id(0)
@@ -84,7 +84,7 @@ def _quant_kernel(x_ptr, q_ptr, s_ptr, stride_xm, stride_qm, stride_sm, floor, f
     else:
         q = y.to(tl.float8e4nv)
     tl.store(q_ptr + row * stride_qm + offs, q)
-    tl.store(s_ptr + row * stride_sm + group, scale)
+    tl.store(s_ptr + row * stride_sm + group * stride_sg, scale)
 
 
 @triton.jit
@@ -107,33 +107,27 @@ def _block_partial(xq, wq, offs_m, offs_n, m_ok, n_ok, pid_m, n_first, kb, strid
 
 
 @triton.jit
-def _row_scales(xs_ptr, offs_m, m_ok, kb, stride_xsm, stride_xsk):
-    """K block ``kb``'s a_scale of each row of the tile."""
-    return tl.load(xs_ptr + offs_m * stride_xsm + kb * stride_xsk, mask=m_ok, other=0.0)
-
-
-@triton.jit
-def _column_scales(ws_ptr, offs_n, n_ok, n_first, kb, stride_wsn, stride_wsk, GROUP: tl.constexpr,
-                   BLOCK_N: tl.constexpr):
-    """K block ``kb``'s w_scale_inv of the BLOCK_N columns from ``n_first``: one scalar where they lie inside
-    one weight block ([fp8].weight_block = activation_group: column n's scale row is n // GROUP)."""
+def _block_scale(xs_ptr, ws_ptr, offs_m, offs_n, m_ok, n_ok, n_first, kb, stride_xsm, stride_xsk, stride_wsn,
+                 stride_wsk, GROUP: tl.constexpr, BLOCK_N: tl.constexpr):
+    """fl32(a_scale * w_scale_inv) of K block ``kb`` for every (row, column) of the (BLOCK_M, BLOCK_N) tile
+    whose columns start at ``n_first``."""
+    a_s = tl.load(xs_ptr + offs_m * stride_xsm + kb * stride_xsk, mask=m_ok, other=0.0)
+    # [fp8].weight_block = activation_group: column n's scale row is n // GROUP
     if GROUP % BLOCK_N == 0:
+        # the tile lies inside one weight block: one scale, so one product per row, not per element (the
+        # same fl32(a_scale * w_scale_inv) each column would get)
         w_s = tl.load(ws_ptr + (n_first // GROUP) * stride_wsn + kb * stride_wsk)
-    else:
-        w_s = tl.load(ws_ptr + (offs_n // GROUP) * stride_wsn + kb * stride_wsk, mask=n_ok, other=0.0)
-    return w_s
+        return tl.broadcast_to((a_s * w_s)[:, None], (a_s.shape[0], BLOCK_N))
+    w_s = tl.load(ws_ptr + (offs_n // GROUP) * stride_wsn + kb * stride_wsk, mask=n_ok, other=0.0)
+    return a_s[:, None] * w_s[None, :]
 
 
 @triton.jit
-def _scaled_add(acc, partial, a_s, w_s, GROUP: tl.constexpr, BLOCK_N: tl.constexpr):
+def _scaled_add(acc, partial, xs_ptr, ws_ptr, offs_m, offs_n, m_ok, n_ok, n_first, kb, stride_xsm, stride_xsk,
+                stride_wsn, stride_wsk, GROUP: tl.constexpr, BLOCK_N: tl.constexpr):
     """acc = fl32(acc + fl32(partial * fl32(a_scale * w_scale_inv))): one K block's step."""
-    if GROUP % BLOCK_N == 0:
-        # one weight scale for the tile: one product per row, not per element (the same
-        # fl32(a_scale * w_scale_inv) each column would get)
-        scale = tl.broadcast_to((a_s * w_s)[:, None], (a_s.shape[0], BLOCK_N))
-    else:
-        scale = a_s[:, None] * w_s[None, :]
-    return acc + partial * scale
+    return acc + partial * _block_scale(xs_ptr, ws_ptr, offs_m, offs_n, m_ok, n_ok, n_first, kb, stride_xsm,
+                                        stride_xsk, stride_wsn, stride_wsk, GROUP, BLOCK_N)
 
 
 @triton.jit
@@ -150,22 +144,14 @@ def _fp8_gemm_kernel(xq, xs_ptr, wq, ws_ptr, bias_ptr, out_ptr, M, N, K,
                      stride_xm, stride_xk, stride_xsm, stride_xsk, stride_wn, stride_wk, stride_wsn, stride_wsk,
                      stride_om, stride_on, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, OUT_BF16: tl.constexpr,
                      UPCAST: tl.constexpr, TMA: tl.constexpr, PAIR: tl.constexpr, HALVES: tl.constexpr,
-                     LAG: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     GROUP_M: tl.constexpr):
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """xq, wq: pointers, or (TMA) tensor descriptors (wq's blocks are one column half wide with HALVES).
     PAIR: two K blocks per step, both partials computed before either is added, so one block's MMAs can
     run while the other's scaled add does; the adds keep the ascending order, so the bits are PAIR=0's.
     HALVES (not with PAIR): the tile's columns as two halves, each its own MMA, partial and accumulator
     (one A tile for both; two half-width partials hold half the registers of one full-width one, which is
     what lets a 256-column tile keep its per-block partial beside its accumulator); a column's block
-    partial is its own dot either way, so the bits are the same.
-    LAG (HALVES only): the high half's partial is added one step later. Triton waits for an MMA right
-    after it when its result is used in the same step, but lets an MMA whose result only goes on to the
-    next step run on, provided that step uses it after a wait for an earlier MMA (Triton's WGMMA
-    pipelining rules): so the high half's MMA of block kb runs while block kb's low half and block kb-1's
-    high half are scaled and added. Each half still adds its own blocks in ascending order: same bits.
-    PREFETCH (not with PAIR): each step loads the next block's scales, so their latency is not waited
-    for at the add; the values are the same."""
+    partial is its own dot either way, so the bits are the same."""
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -187,70 +173,29 @@ def _fp8_gemm_kernel(xq, xs_ptr, wq, ws_ptr, bias_ptr, out_ptr, M, N, K,
     acc = tl.zeros((BLOCK_M, STEP_N), dtype=tl.float32)
     acc_hi = tl.zeros((BLOCK_M, STEP_N), dtype=tl.float32)
     # ascending K blocks from +0: acc = fl32(acc + fl32(partial * fl32(a_scale * w_scale_inv)))
-    if PAIR:
-        for kb in range(0, blocks - 1, 2):
-            first = _block_partial(xq, wq, offs_m, offs_n, m_ok, n_ok, pid_m, lo, kb, stride_xm, stride_xk,
-                                   stride_wn, stride_wk, GROUP, UPCAST, TMA, BLOCK_M)
+    for kb in range(0, blocks - PAIR, 1 + PAIR):
+        first = _block_partial(xq, wq, offs_m, offs_n, m_ok, n_ok, pid_m, lo, kb, stride_xm, stride_xk,
+                               stride_wn, stride_wk, GROUP, UPCAST, TMA, BLOCK_M)
+        if HALVES:
+            first_hi = _block_partial(xq, wq, offs_m, offs_hi, m_ok, hi_ok, pid_m, hi, kb, stride_xm, stride_xk,
+                                      stride_wn, stride_wk, GROUP, UPCAST, TMA, BLOCK_M)
+        if PAIR:
             second = _block_partial(xq, wq, offs_m, offs_n, m_ok, n_ok, pid_m, lo, kb + 1, stride_xm,
                                     stride_xk, stride_wn, stride_wk, GROUP, UPCAST, TMA, BLOCK_M)
-            a_s = _row_scales(xs_ptr, offs_m, m_ok, kb, stride_xsm, stride_xsk)
-            w_s = _column_scales(ws_ptr, offs_n, n_ok, lo, kb, stride_wsn, stride_wsk, GROUP, STEP_N)
-            acc = _scaled_add(acc, first, a_s, w_s, GROUP, STEP_N)
-            a_s = _row_scales(xs_ptr, offs_m, m_ok, kb + 1, stride_xsm, stride_xsk)
-            w_s = _column_scales(ws_ptr, offs_n, n_ok, lo, kb + 1, stride_wsn, stride_wsk, GROUP, STEP_N)
-            acc = _scaled_add(acc, second, a_s, w_s, GROUP, STEP_N)
+        acc = _scaled_add(acc, first, xs_ptr, ws_ptr, offs_m, offs_n, m_ok, n_ok, lo, kb, stride_xsm, stride_xsk,
+                          stride_wsn, stride_wsk, GROUP, STEP_N)
+        if HALVES:
+            acc_hi = _scaled_add(acc_hi, first_hi, xs_ptr, ws_ptr, offs_m, offs_hi, m_ok, hi_ok, hi, kb, stride_xsm,
+                                 stride_xsk, stride_wsn, stride_wsk, GROUP, STEP_N)
+        if PAIR:
+            acc = _scaled_add(acc, second, xs_ptr, ws_ptr, offs_m, offs_n, m_ok, n_ok, lo, kb + 1, stride_xsm,
+                              stride_xsk, stride_wsn, stride_wsk, GROUP, STEP_N)
+    if PAIR:
         if blocks % 2 == 1:   # the odd last block
             last = _block_partial(xq, wq, offs_m, offs_n, m_ok, n_ok, pid_m, lo, blocks - 1, stride_xm,
                                   stride_xk, stride_wn, stride_wk, GROUP, UPCAST, TMA, BLOCK_M)
-            a_s = _row_scales(xs_ptr, offs_m, m_ok, blocks - 1, stride_xsm, stride_xsk)
-            w_s = _column_scales(ws_ptr, offs_n, n_ok, lo, blocks - 1, stride_wsn, stride_wsk, GROUP, STEP_N)
-            acc = _scaled_add(acc, last, a_s, w_s, GROUP, STEP_N)
-    else:
-        # block 0's scales (PREFETCH: the "next" ones of the first step); with LAG also the placeholders of
-        # the step before block 0, which adds nothing
-        a_next = _row_scales(xs_ptr, offs_m, m_ok, 0, stride_xsm, stride_xsk)
-        w_next = _column_scales(ws_ptr, offs_n, n_ok, lo, 0, stride_wsn, stride_wsk, GROUP, STEP_N)
-        if HALVES:
-            wh_next = _column_scales(ws_ptr, offs_hi, hi_ok, hi, 0, stride_wsn, stride_wsk, GROUP, STEP_N)
-        else:
-            wh_next = w_next                                        # unused
-        lag_hi = tl.zeros((BLOCK_M, STEP_N), dtype=tl.float32)     # LAG: the step before's high partial
-        a_lag = a_next                                              # ... and its scales
-        wh_lag = wh_next
-        for kb in range(0, blocks):
-            if PREFETCH:
-                a_s = a_next
-                w_s = w_next
-                wh_s = wh_next
-                ahead = tl.minimum(kb + 1, blocks - 1)     # the last step reloads its own block: unused
-                a_next = _row_scales(xs_ptr, offs_m, m_ok, ahead, stride_xsm, stride_xsk)
-                w_next = _column_scales(ws_ptr, offs_n, n_ok, lo, ahead, stride_wsn, stride_wsk, GROUP, STEP_N)
-                if HALVES:
-                    wh_next = _column_scales(ws_ptr, offs_hi, hi_ok, hi, ahead, stride_wsn, stride_wsk,
-                                             GROUP, STEP_N)
-            else:
-                a_s = _row_scales(xs_ptr, offs_m, m_ok, kb, stride_xsm, stride_xsk)
-                w_s = _column_scales(ws_ptr, offs_n, n_ok, lo, kb, stride_wsn, stride_wsk, GROUP, STEP_N)
-                if HALVES:
-                    wh_s = _column_scales(ws_ptr, offs_hi, hi_ok, hi, kb, stride_wsn, stride_wsk, GROUP,
-                                          STEP_N)
-            first = _block_partial(xq, wq, offs_m, offs_n, m_ok, n_ok, pid_m, lo, kb, stride_xm, stride_xk,
-                                   stride_wn, stride_wk, GROUP, UPCAST, TMA, BLOCK_M)
-            if HALVES:
-                first_hi = _block_partial(xq, wq, offs_m, offs_hi, m_ok, hi_ok, pid_m, hi, kb, stride_xm,
-                                          stride_xk, stride_wn, stride_wk, GROUP, UPCAST, TMA, BLOCK_M)
-            acc = _scaled_add(acc, first, a_s, w_s, GROUP, STEP_N)
-            if HALVES:
-                if LAG:
-                    if kb > 0:
-                        acc_hi = _scaled_add(acc_hi, lag_hi, a_lag, wh_lag, GROUP, STEP_N)
-                    lag_hi = first_hi
-                    a_lag = a_s
-                    wh_lag = wh_s
-                else:
-                    acc_hi = _scaled_add(acc_hi, first_hi, a_s, wh_s, GROUP, STEP_N)
-        if LAG:   # the last block's high half (K has at least one block: ``gemm`` checks it)
-            acc_hi = _scaled_add(acc_hi, lag_hi, a_lag, wh_lag, GROUP, STEP_N)
+            acc = _scaled_add(acc, last, xs_ptr, ws_ptr, offs_m, offs_n, m_ok, n_ok, lo, blocks - 1, stride_xsm,
+                              stride_xsk, stride_wsn, stride_wsk, GROUP, STEP_N)
     _store_columns(acc, bias_ptr, out_ptr, offs_m, offs_n, m_ok, n_ok, stride_om, stride_on, HAS_BIAS, OUT_BF16)
     if HALVES:
         _store_columns(acc_hi, bias_ptr, out_ptr, offs_m, offs_hi, m_ok, hi_ok, stride_om, stride_on, HAS_BIAS,
@@ -258,16 +203,19 @@ def _fp8_gemm_kernel(xq, xs_ptr, wq, ws_ptr, bias_ptr, out_ptr, M, N, K,
 
 
 def quantise(x: torch.Tensor, group: int, fmt: str, spec: Fp8) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (M, K) bf16/fp32, K a multiple of ``group`` -> (q (M, K) fp8, fp32 scales (M, K / group))."""
+    """x (M, K) bf16/fp32, K a multiple of ``group`` -> (q (M, K) fp8, fp32 scales (M, K / group)).
+    The scales are stored column by column (strides (1, M)): the GEMM reads one K block's scales of a
+    tile's rows as one contiguous run, not one 32-byte sector per row (cuBLAS's block-scaled GEMM takes
+    them in this layout too)."""
     m, k = x.shape
     q = torch.empty((m, k), device=x.device, dtype=FORMATS[fmt])
-    s = torch.empty((m, k // group), device=x.device, dtype=torch.float32)
+    s = torch.empty((k // group, m), device=x.device, dtype=torch.float32).t()
     if m == 0 or k == 0:
         return q, s
     mant, min_exp = _FORMAT_BITS[fmt]
     floor = float(torch.tensor(spec.amax_floor, dtype=torch.float32))   # fl32(floor), passed as an fp32 scalar
     launch(_quant_kernel, (m, k // group),
-           x, q, s, x.stride(0), q.stride(0), s.stride(0), floor, spec.fmax(fmt), GROUP=group, MANT=mant,
+           x, q, s, x.stride(0), q.stride(0), s.stride(0), s.stride(1), floor, spec.fmax(fmt), GROUP=group, MANT=mant,
            MIN_EXP=min_exp, OUT_E5M2=fmt == "e5m2", num_warps=1, **LAUNCH)
     return q, s
 
@@ -323,18 +271,14 @@ def candidates(m: int, n: int, k: int, group: int, tma_ok: bool, tiles=None) -> 
     for bm, bn, warps, stages in (_TILES if tiles is None else tiles):
         if bm > max(64, 1 << max(0, (m - 1).bit_length())) or (bm + bn) * group * stages > _SHARED_BYTES:
             continue
-        small_acc = bm * bn <= _PAIR_ACC_PER_THREAD * warps * 32
-        pairs = (False, True) if small_acc and k >= 2 * group else (False,)
+        pairs = (False, True) if bm * bn <= _PAIR_ACC_PER_THREAD * warps * 32 and k >= 2 * group else (False,)
         for tma in ((False, True) if tma_ok and m > 64 else (False,)):
-            tile = dict(BLOCK_M=bm, BLOCK_N=bn, GROUP_M=8 if m > 64 else 1, num_warps=warps, num_stages=stages,
-                        tma=tma)
             for pair in pairs:
-                out.append(dict(tile, pair=pair, halves=False, lag=False, prefetch=False))
-            out.append(dict(tile, pair=False, halves=False, lag=False, prefetch=True))
+                out.append(dict(BLOCK_M=bm, BLOCK_N=bn, GROUP_M=8 if m > 64 else 1, num_warps=warps,
+                                num_stages=stages, tma=tma, pair=pair, halves=False))
             if bn >= _HALVES_MIN_N and m > 64:
-                # LAG keeps a third half-width partial live: only where PAIR's two extra tiles would fit
-                for lag, prefetch in ((False, False), (False, True)) + (((True, True),) if small_acc else ()):
-                    out.append(dict(tile, pair=False, halves=True, lag=lag, prefetch=prefetch))
+                out.append(dict(BLOCK_M=bm, BLOCK_N=bn, GROUP_M=8, num_warps=warps, num_stages=stages, tma=tma,
+                                pair=False, halves=True))
     return out
 
 
@@ -356,7 +300,6 @@ def gemm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale_inv:
     out = torch.empty((m, n), device=xq.device, dtype=out_dtype)
     if m == 0 or n == 0:
         return out
-    check_k(k, spec, "fp8 GEMM")
     group = spec.activation_group
     cfg = _config(m, n)
     tuned = policy.fp8_tiles(m, n, k, spec, out_dtype) if policy is not None else None
@@ -364,11 +307,9 @@ def gemm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale_inv:
         cfg.update(tuned)
     if config:
         cfg.update(config)
-    halves, lag, prefetch = (bool(cfg.get(key, False)) for key in ("halves", "lag", "prefetch"))
+    halves = bool(cfg.get("halves", False))
     if halves and (cfg["pair"] or cfg["BLOCK_N"] % 32):
         raise ValueError(f"fp8 GEMM launch {cfg}: halves needs pair=False and BLOCK_N a multiple of 32")
-    if (lag and not halves) or (prefetch and cfg["pair"]):
-        raise ValueError(f"fp8 GEMM launch {cfg}: lag needs halves, prefetch needs pair=False")
     tma = cfg["tma"] and tma_ok(xq) and tma_ok(wq)   # descriptor loads where the tensors allow (same bits)
     if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
@@ -383,7 +324,6 @@ def gemm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale_inv:
            xq.stride(1), x_scale.stride(0), x_scale.stride(1), wq.stride(0), wq.stride(1), w_scale_inv.stride(0),
            w_scale_inv.stride(1), out.stride(0), out.stride(1), GROUP=group, HAS_BIAS=bias is not None,
            OUT_BF16=out_dtype == torch.bfloat16, UPCAST=INTERPRET, TMA=tma, PAIR=bool(cfg["pair"]), HALVES=halves,
-           LAG=lag, PREFETCH=prefetch,
            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"],
            num_stages=cfg["num_stages"], **LAUNCH)
     return out
