@@ -218,15 +218,31 @@ def quantise(x: torch.Tensor, group: int, fmt: str, spec: Fp8) -> tuple[torch.Te
     mant, min_exp = _FORMAT_BITS[fmt]
     floor = float(torch.tensor(spec.amax_floor, dtype=torch.float32))   # fl32(floor), passed as an fp32 scalar
     groups_per_row = k // group
-    # a program of ~2k-4k elements (one group a program left most of the GPU idle: 150 us for 8192 x 4096 at
-    # session 17); the interpreter takes two rows of two groups so that both edges are masked in CI
-    groups = 2 if INTERPRET else min(16, triton.next_power_of_2(groups_per_row))
-    rows = 2 if INTERPRET else max(1, 32 // groups)
+    rows, groups = _quant_tile(m, groups_per_row)
     launch(_quant_kernel, (cdiv(m, rows), cdiv(groups_per_row, groups)),
            x, q, s, m, groups_per_row, x.stride(0), q.stride(0), s.stride(0), floor, spec.fmax(fmt), GROUP=group,
            ROWS=rows, GROUPS=groups, MANT=mant, MIN_EXP=min_exp, OUT_E5M2=fmt == "e5m2",
-           num_warps=1 if INTERPRET else 4, **LAUNCH)
+           num_warps=1 if INTERPRET else max(1, min(4, rows * groups // 4)), **LAUNCH)
     return q, s
+
+
+_QUANT_PROGRAMS = 264   # two per H200 SM: below this a quantisation is latency-bound, not bandwidth-bound
+
+
+def _quant_tile(m: int, groups_per_row: int) -> tuple[int, int]:
+    """(rows, groups) of one quantisation program: up to 32 groups (4k elements), fewer where that would
+    leave the GPU with few programs (one token's row: one group each, as at M = 1 before session 18);
+    one group a program at large M left the GPU mostly idle (150 us for 8192 x 4096 on the H200, 38 us
+    with 32). The interpreter takes two rows of two groups so that both edges are masked in CI."""
+    if INTERPRET:
+        return 2, 2
+    groups = min(16, triton.next_power_of_2(groups_per_row))
+    rows = max(1, 32 // groups)
+    while rows > 1 and cdiv(m, rows) * cdiv(groups_per_row, groups) < _QUANT_PROGRAMS:
+        rows //= 2
+    while groups > 1 and cdiv(m, rows) * cdiv(groups_per_row, groups) < _QUANT_PROGRAMS:
+        groups //= 2
+    return rows, groups
 
 
 def quantise_activations(x: torch.Tensor, spec: Fp8) -> tuple[torch.Tensor, torch.Tensor]:
