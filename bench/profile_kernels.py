@@ -44,6 +44,9 @@ CASES = {
     "gemm_m512_n6144": "GEMM M=512 N=6144 K=4096 (an 8B qkv_proj): ours vs torch.mm",
     "decode_b4_8k_gqa5": "decode B=4 ctx=8192, 40/8 heads, 32-key pages (GQA 5): ours (NHD32) vs SDPA",
     "decode_b256_1k": "decode B=256 ctx=1024, 16/8 heads, 16-key pages (a vLLM 1.7B step): ours (NHD16) vs SDPA",
+    # issue #22: the FP8 KV cache reads half the bytes but is no faster than the bf16 one
+    "decode_fp8_b64_8k": "decode B=64 ctx=8192, 32/8 heads, 16-key pages: ours over a bf16 cache and over the "
+                         "contract's FP8 cache (per token-head scales) vs SDPA",
 }
 GEMMS = {"gemm_m256": (256, 4096, 4096), "gemm_m1024": (1024, 14336, 4096), "gemm_m8192": (8192, 4096, 4096),
          "gemm_m128_k12288": (128, 4096, 12288), "gemm_m512_n6144": (512, 6144, 4096)}
@@ -79,6 +82,18 @@ def build(case: str):
             with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
                 return F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
         return [("ours", lambda: backend.attention(q, kc, vc, meta, scale=d ** -0.5)), ("sdpa_flash", flash)]
+    if case == "decode_fp8_b64_8k":
+        q, kc, vc, meta = paged_problem([8192] * 64, [1] * 64, hq, hkv, d, 16)
+        fp8_backend = create_backend("cuda", "bf16-fp8-v1")
+
+        def fp8_cache(cache):   # per (token, head) scale = amax / 448, as [fp8].kv_scale (the bits do not matter here)
+            scale = cache.float().abs().amax(-1).clamp_min(1e-10) / 448
+            return (cache.float() / scale[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn), scale
+        (k8, ks), (v8, vs) = fp8_cache(kc), fp8_cache(vc)
+        qs, kss, vss = sdpa_problem(64, 1, 8192, hq, hkv, d)
+        return [("ours_bf16", lambda: backend.attention(q, kc, vc, meta, scale=d ** -0.5)),
+                ("ours_fp8", lambda: fp8_backend.fp8_attention(q, k8, v8, ks, vs, meta, scale=d ** -0.5)),
+                ("sdpa", lambda: F.scaled_dot_product_attention(qs, kss, vss, enable_gqa=True))]
     batch, ctx, hq, hkv, layouts = DECODES[case]
     base = paged_problem([ctx] * batch, [1] * batch, hq, hkv, d, layouts[0][1])
     fns = []
