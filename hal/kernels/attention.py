@@ -180,19 +180,15 @@ def _chunk(q, m, l, acc, n0, b, kvh, positions, seq_len, q_row_ok, ones, k_cache
         if KV_FP8:
             k = _dequantise(k, k_scale_ptr, scale_rows + kvh * stride_sh, keys < seq_len, MASKED, PER_TOKEN_SCALE,
                             IS_BF16, UPCAST, OPERAND_BARRIER)
+            v = _dequantise(v, v_scale_ptr, scale_rows + kvh * stride_sh, keys < seq_len, MASKED, PER_TOKEN_SCALE,
+                            IS_BF16, UPCAST, OPERAND_BARRIER)
     if UPCAST:
         k = k.to(tl.float32)
+        v = v.to(tl.float32)
     if IS_BF16 and not UPCAST:
         s = tl.dot(q, tl.trans(k))
     else:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
-    if KV_FP8 and not TMA:
-        # V dequantised after the scores, not beside K: the two dequantised tiles are then never live
-        # together (the H200 profile of decode at 64 x 8k keys: 255 registers and spills with both)
-        v = _dequantise(v, v_scale_ptr, scale_rows + kvh * stride_sh, keys < seq_len, MASKED, PER_TOKEN_SCALE,
-                        IS_BF16, UPCAST, OPERAND_BARRIER)
-    if UPCAST:
-        v = v.to(tl.float32)
     s = s * scale_log2e
     if MASKED:
         visible = (keys[None, :] <= positions[:, None]) & key_ok[None, :] & q_row_ok[:, None]
