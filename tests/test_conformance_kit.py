@@ -50,9 +50,13 @@ EXPECTED_CELLS = {
     6: {"contract"},
 }
 EXPECTED_CELLS[2] = EXPECTED_CELLS[1]
-# The MoE cells under a contract without [moe] (bf16-dense-v1): "not in the contract", not tested here.
+# The MoE cells under a contract without [moe] (bf16-dense-v1) and the FP8 ones under a contract without [fp8]:
+# "not in the contract", not tested here (tests/test_moe.py and tests/test_fp8.py run them).
 MOE_NOT_IN_DENSE = {level: {"moe_route": "unsupported", "moe_experts": "unsupported"} for level in (1, 2, 4, 5)}
 MOE_NOT_IN_DENSE[6] = {"moe_experts": "unsupported"}
+for _level in (1, 2, 5):
+    MOE_NOT_IN_DENSE[_level]["fp8_linear"] = "unsupported"
+SECTION_OPS = ("moe_route", "moe_experts", "fp8_linear")
 
 
 def test_kit_passes_on_reference_and_writes_both_reports(tmp_path):
@@ -102,8 +106,8 @@ def test_broken_example_is_caught_at_the_right_levels_with_a_working_repro(tmp_p
     assert rc == 1
     # Every single call is deterministic and accurate: the invariances break. (Its large-batch top-k
     # also breaks ties toward the higher index, which the accuracy level checks against the contract.)
-    assert {s for op, s in statuses(data, 1).items() if op not in ("moe_route", "moe_experts")} == {"pass"}
-    assert {op for op, s in statuses(data, 5).items() if s != "pass" and op not in ("moe_route", "moe_experts")} \
+    assert {s for op, s in statuses(data, 1).items() if op not in SECTION_OPS} == {"pass"}
+    assert {op for op, s in statuses(data, 5).items() if s != "pass" and op not in SECTION_OPS} \
         == {"topk"}
     assert statuses(data, 6) == {"contract": "pass", **MOE_NOT_IN_DENSE[6]}
     level2 = statuses(data, 2)

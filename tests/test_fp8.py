@@ -293,3 +293,55 @@ def test_contracts_and_backends_without_fp8_refuse_fp8_linears():
     # the stock baseline computes it (per-tensor dynamic scaling; no invariance claim)
     stock = create_backend("torch")
     assert stock.fp8_linear(x, wq, ws).shape == (2, 128)
+
+
+# -- the conformance kit's FP8 cells ----------------------------------------------------------
+
+class PerTensorScaledBackend(type(REF)):
+    """fp8_linear with one dynamic activation scale for the whole batch (what the contract forbids)."""
+
+    def fp8_linear(self, x, weight, weight_scale_inv, bias=None, *, out_dtype=None):
+        s = fp8.scale_of(x.float().abs().amax(), SPEC, "e4m3")
+        xs = s.expand(x.shape[0], x.shape[1] // SPEC.activation_group).contiguous()
+        return fp8.block_gemm(fp8.quantise(x, s, SPEC, "e4m3"), xs, weight, weight_scale_inv, bias,
+                              out_dtype or x.dtype, SPEC)
+
+
+class ShiftedScaleBackend(type(REF)):
+    """fp8_linear reading each weight block's scale from the next block row (a scale-layout bug): batch
+    invariant and deterministic, but not the contract's product."""
+
+    def fp8_linear(self, x, weight, weight_scale_inv, bias=None, *, out_dtype=None):
+        return super().fp8_linear(x, weight, weight_scale_inv.roll(1, 0), bias, out_dtype=out_dtype)
+
+
+@pytest.mark.parametrize("width, out_features", [(130, 129), (1, 7), (256, 33)])
+def test_the_conformance_kit_checks_fp8_linear_and_catches_per_tensor_scaling(width, out_features):
+    """The kit's FP8 row ops (levels 1-2 under a contract with [fp8]; K = the row repeated to one group more
+    than it needs, so every K crosses a block boundary; N = 129 crosses a weight block) pass on reference;
+    batch invariance fails on a backend with one per-tensor activation scale (negative control), and a dense
+    contract has no FP8 row ops."""
+    from hal.conformance.runner import CHECKS
+
+    for row_op in ("fp8_linear", "fp8_linear+bias", "fp8_linear->fp32"):
+        for dtype in ("bfloat16", "float32"):
+            params = dict(row_op=row_op, width=width, out_features=out_features, dtype=dtype, seed=3)
+            assert CHECKS["determinism"](REF, **params) == [], params
+            assert CHECKS["batch_invariance"](REF, **params) == [], params
+    assert CHECKS["batch_invariance"](PerTensorScaledBackend(FP8), row_op="fp8_linear", width=width,
+                                      out_features=out_features, dtype="bfloat16", seed=3)
+    with pytest.raises(ValueError, match="not defined"):
+        CHECKS["batch_invariance"](create_backend("reference", DENSE), row_op="fp8_linear", width=width,
+                                   out_features=out_features, dtype="bfloat16", seed=3)
+
+
+def test_the_conformance_kits_fp8_accuracy_level_passes_reference_and_catches_a_slipped_scale():
+    """Level 5 for fp8_linear (``hal.conformance.bounds``): against the fp64 product of the contract's quantised
+    operands within 2**-10 of sum |x| |w| (Hopper's FP8 MMA) - the exact reference passes at K of one and of
+    several blocks; weight scales read from the wrong block row fail."""
+    from hal.conformance.runner import CHECKS
+
+    for size, width, dtype in ((1, 128, "bfloat16"), (17, 300, "float32"), (3, 1000, "bfloat16")):
+        assert CHECKS["accuracy"](REF, op="fp8_linear", size=size, width=width, dtype=dtype, seed=5) == []
+    problems = CHECKS["accuracy"](ShiftedScaleBackend(FP8), op="fp8_linear", size=17, width=300, dtype="float32", seed=5)
+    assert problems and "outside the bound" in problems[0]

@@ -53,6 +53,43 @@ def _check(what: str, got: torch.Tensor, exact: torch.Tensor, bound: torch.Tenso
             f"|err| {float(err.flatten()[worst]):.3g} > bound {float(bound.flatten()[worst]):.3g}"]
 
 
+# Inside one K block of 128, Hopper's FP8 MMA keeps fewer bits than fp32 (bench/fp8_gpu.py's accuracy section:
+# at worst 2**-12.3 of sum |x| |w| on the H200, five shapes); the kit allows 2**-10 of it per output, beside the
+# fp32 block adds. A wrong scale layout (a block's scale from another block) is far outside it.
+FP8_BLOCK_REL = 2.0 ** -10
+
+
+def _fp8_linear_problems(backend: Backend, size: int, width: int, dtype: torch.dtype, g: torch.Generator) -> list:
+    """fp8_linear against the fp64 product of the contract's quantised operands: the activations quantised
+    by the reference rule (hal.fp8), the weights as their checkpoint blocks, both dequantised exactly in
+    fp64 (an e4m3 value times an fp32 scale has at most 28 significant bits)."""
+    from hal import fp8
+
+    spec = backend.contract.fp8
+    group = spec.activation_group
+    k = -(-width // group) * group
+    n = 150                                              # crosses a 128-row weight block
+    x = random_tensor((size, k), dtype, g, spread=4)
+    master = random_tensor((n, k), torch.float32, g, scale=k ** -0.5)
+    wq, ws = fp8.quantise_weight_blocks(master, spec)
+    b = random_tensor((n,), dtype, g)
+    xq, xs = fp8.quantise_activations(x, spec)
+    xd = xq.double() * xs.double().repeat_interleave(group, 1)
+    wd = wq.double() * ws.double().repeat_interleave(spec.weight_block, 0)[:n].repeat_interleave(group, 1)[:, :k]
+    exact = xd @ wd.T + b.double()
+    mag = xd.abs() @ wd.abs().T + b.double().abs()
+    blocks = k // group
+    problems = []
+    dev = backend.device
+    for out_dtype in (dtype, torch.float32):
+        got = backend.fp8_linear(x.to(dev), wq.to(dev), ws.to(dev), b.to(dev), out_dtype=out_dtype).cpu()
+        bound = (FP8_BLOCK_REL + (2 * blocks + 2) * U) * mag
+        if out_dtype == dtype:
+            bound = bound + act_rel(dtype) * exact.abs()
+        problems += _check(f"fp8_linear M={size} K={k} N={n} -> {out_dtype}", got, exact, bound)
+    return problems
+
+
 def accuracy_problems(backend: Backend, op: str, size: int, width: int, dtype: torch.dtype, seed: int) -> list[str]:
     """Run ``op`` on random inputs of ``size`` rows (or tokens) and ``width`` features; compare to fp64."""
     g = torch.Generator().manual_seed(seed)
@@ -76,6 +113,8 @@ def accuracy_problems(backend: Backend, op: str, size: int, width: int, dtype: t
                 bound = bound + r * exact.abs()
             problems += _check(f"linear M={size} K={width} N={n} -> {out_dtype}", got, exact, bound)
         return problems
+    if op == "fp8_linear":
+        return _fp8_linear_problems(backend, size, width, dtype, g)
     if op == "attention":
         case = AttentionCase(size, 4, 2, width, dtype, seed)
         q, k, v = (t.cpu() for t in case.tensors())

@@ -268,6 +268,29 @@ def _moe_row_functions(backend: Backend, width: int, out_features: int, dtype: t
     return fns
 
 
+def _fp8_row_functions(backend: Backend, width: int, out_features: int, dtype: torch.dtype,
+                       generator: torch.Generator) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    """Block-FP8 linear row ops ([fp8]): a row of ``width`` features repeated out to K, one activation
+    group more than the row needs (so every K crosses a group boundary; the values are the row's own, so
+    they move with it), through ``out_features`` rows of block-quantised weights (N edges cross the
+    weight blocks where out_features > the block)."""
+    from hal import fp8
+
+    spec = backend.contract.fp8
+    group = spec.activation_group
+    k = (-(-width // group) + 1) * group
+    master = random_tensor((out_features, k), torch.float32, generator, spread=8)
+    wq, ws = (t.to(backend.device) for t in fp8.quantise_weight_blocks(master, spec))
+    bias = random_tensor((out_features,), dtype, generator, device=backend.device)
+
+    def widen(x):
+        return x.repeat(1, -(-k // x.shape[-1]))[:, :k]
+
+    return {"fp8_linear": lambda x: backend.fp8_linear(widen(x), wq, ws),
+            "fp8_linear+bias": lambda x: backend.fp8_linear(widen(x), wq, ws, bias),
+            "fp8_linear->fp32": lambda x: backend.fp8_linear(widen(x), wq, ws, out_dtype=torch.float32)}
+
+
 def op_row_functions(backend: Backend, width: int, out_features: int, dtype: torch.dtype,
                      generator: torch.Generator) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
     """For each row op: a function of a (M, width) batch, with its weights fixed here."""
@@ -307,6 +330,8 @@ def op_row_functions(backend: Backend, width: int, out_features: int, dtype: tor
         fns["silu_mul"] = lambda x: backend.silu_mul(x)
     if backend.contract is not None and backend.contract.moe is not None:
         fns.update(_moe_row_functions(backend, width, out_features, dtype, generator))
+    if backend.contract is not None and backend.contract.fp8 is not None:
+        fns.update(_fp8_row_functions(backend, width, out_features, dtype, generator))
     if table is not None and width % 2 == 0:
         def rotary(x):
             # The position comes from the row's own first value, pointwise: a reduction here (torch's

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from hal.conformance.kit import dtypes_for, run_check, run_examples, skip_unless_in_contract, widths
 
 OPS = ["linear", "attention", "write_kv", "rms_norm", "silu_mul", "rotary", "log_softmax", "token_logprobs", "sum",
-       "mean", "topk", "moe_route", "moe_experts"]
+       "mean", "topk", "moe_route", "moe_experts", "fp8_linear"]
 
 
 @pytest.mark.hal(level=5)
