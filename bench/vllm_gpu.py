@@ -59,14 +59,19 @@ SHAPES = {  # random-weight models shaped like these (issue #19); tiny: a quick 
                        num_layers=3, num_heads=32, num_kv_heads=4, head_dim=128, qk_norm=True, num_experts=128,
                        num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True),
 }
-# the contract a shape's model needs (MoE layers: one with [moe]); other shapes take the default
+# issue #22: the same shapes as DeepSeek-style block-FP8 checkpoints (every linear but the embedding / lm_head:
+# e4m3 weights with one fp32 scale per 128 x 128 block, ``quantization_config.quant_method "fp8"``)
+FP8_SHAPES = ("tiny", "1.7b", "8b")
+SHAPES.update({f"{name}-fp8": dict(SHAPES[name], fp8=True) for name in FP8_SHAPES})
+# the contract a shape's model needs (MoE layers: one with [moe], FP8 linears: one with [fp8]); others the default
 CONTRACTS = {"qwen3_moe": "bf16-moe-v1"}
+FP8_CONTRACT = "bf16-fp8-v1"
 
 
 def contract_for(model_dir: Path, kv_cache_dtype: str = "auto") -> str | None:
     """The contract both sides run: the checkpoint's, or with an FP8 KV cache bf16-fp8-v1 (its [fp8])."""
     contract = json.loads((model_dir / "bench_meta.json").read_text()).get("contract")
-    if kv_cache_dtype == "auto":
+    if kv_cache_dtype == "auto" or contract == FP8_CONTRACT:
         return contract
     if contract is not None:
         raise SystemExit(f"--kv-cache-dtype {kv_cache_dtype}: only for dense shapes (this one runs {contract})")
@@ -161,7 +166,7 @@ def run_engine(args) -> None:
             result["cache_check"] = [{"tokens": c.tokens, "logprobs": c.logprobs,
                                       "cached_prompt_tokens": c.cached_prompt_tokens} for c in passes[1]]
             trainer = synced_trainer(model_dir, args.kv_cache_dtype)
-            nbytes = sum(p.numel() * p.element_size() for p in trainer.parameters())
+            nbytes = sync_bytes(trainer)
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             digest = engine.sync_weights(trainer)
@@ -362,18 +367,30 @@ def synced_trainer(model_dir: Path, kv_cache_dtype: str):
     with torch.no_grad():
         for p in trainer.parameters():
             p.mul_(SYNC_SCALE)
+    trainer.refresh_fp8_weights()   # an FP8 model's linears: requantised from the new master weights, as a sync does
     return trainer
+
+
+def sync_bytes(trainer) -> int:
+    """What a weight sync sends: the parameters, or for an FP8 model its fp8 weights, scales and the rest."""
+    if trainer.config.fp8 is None:
+        return sum(p.numel() * p.element_size() for p in trainer.parameters())
+    from hal.model.fp8 import weight_sync_tensors
+
+    return sum(t.numel() * t.element_size() for _, t in weight_sync_tensors(trainer))
 
 
 def make_checkpoint(shape: str, model_dir: Path) -> None:
     from hal.api import create_backend
     from hal.model.checkpoint import save_pretrained
-    from hal.model.config import ModelConfig
+    from hal.model.config import Fp8Quantization, ModelConfig
     from hal.model.model import DecoderLM
 
-    config = ModelConfig(dtype="bfloat16", **SHAPES[shape])
+    fields = dict(SHAPES[shape])
+    fp8 = Fp8Quantization() if fields.pop("fp8", False) else None
+    config = ModelConfig(dtype="bfloat16", fp8=fp8, **fields)
     print(f"writing a random {shape}-shaped checkpoint to {model_dir}", flush=True)
-    contract = CONTRACTS.get(config.architecture)
+    contract = FP8_CONTRACT if fp8 is not None else CONTRACTS.get(config.architecture)
     save_pretrained(DecoderLM.random(config, seed=1, backend=create_backend("reference", contract)), model_dir)
     (model_dir / "bench_meta.json").write_text(json.dumps({"vocab_size": config.vocab_size, "contract": contract}))
 
