@@ -205,14 +205,6 @@ def test_fp8_engine_logprobs_equal_trainer_and_after_a_weight_sync(engines):
     from hal.model import tiny_fp8_config
     from hal.model.fp8 import refresh_fp8_weights
 
-    from vllm.v1.attention.backends import cpu_attn
-
-    def no_isa(*args, **kwargs):
-        raise AssertionError("a HAL-bound engine asked for vLLM's CPU attention ISA")
-
-    # the route never runs vLLM's CPU kernels, so it needs none of their ISAs (the stock choice refuses an FP8
-    # cache on x86 without AVX-512 or AMX): the same on every host
-    monkeypatch.setattr(cpu_attn, "_get_attn_isa", no_isa)
     engines.close()                              # one KV cache at a time
     binding = resolve_binding({"backend": "reference", "contract": "bf16-fp8-v1"})
     model = DecoderLM.random(tiny_fp8_config("llama", "bfloat16"), seed=3,
@@ -400,6 +392,35 @@ def test_stock_vllm_differs_from_trainer(engines):
     sampled, _ = trainer_logprobs(model, completions)
     differ, total = mismatches([c.logprobs for c in completions], sampled)
     assert differ > total // 10, f"stock vLLM matched the trainer on {total - differ}/{total} tokens"
+
+
+def test_an_engine_that_failed_to_start_leaves_its_routes_to_no_later_engine(engines, monkeypatch):
+    """A HAL-bound engine fails after building its model (here: its attention metadata builder raises), so
+    vLLM never shuts it down and its RoPE stays in vLLM's per-process RoPE cache (checked: the hazard is
+    real). A stock engine built next in this process has no HAL route at all (``reported_binding()`` None
+    raises otherwise), and a HAL-bound one every route and HAL call of its own."""
+    from vllm.model_executor.layers import rotary_embedding
+
+    from hal.vllm import attention
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("engine start failed on purpose")
+
+    engines.close()
+    engines.model("llama", "bfloat16")
+    _, path = engines.models["llama", "bfloat16"]
+    with monkeypatch.context() as patch:
+        patch.setattr(attention.HalCpuAttentionMetadataBuilder, "__init__", fail)
+        with pytest.raises(Exception, match="engine start failed on purpose"):
+            VllmEngine(path, binding=binding_for("llama"), dtype="bfloat16", max_num_seqs=len(PROMPT_LENGTHS))
+    leftover = list(rotary_embedding._ROPE_DICT.values())
+    assert leftover and all(getattr(rope, "hal", None) is not None for rope in leftover)
+    for binding in (None, binding_for("llama")):
+        engine = VllmEngine(path, binding=binding, dtype="bfloat16", max_num_seqs=len(PROMPT_LENGTHS))
+        try:
+            assert engine.reported_binding() == binding
+        finally:
+            engine.close()
 
 
 def test_multiprocess_engine(engines):

@@ -74,6 +74,16 @@ def _engine_view(model: DecoderLM) -> dict[str, torch.Tensor]:
         view[f"{name}.weight_scale_inv"] = linear.weight_scale_inv
     return view
 
+def _forget_cached_ropes() -> None:
+    """vLLM keeps the rotary-embedding modules it builds in a per-process cache keyed by their shape (not by
+    the engine or its HAL binding) and clears it when an engine shuts down. An engine whose start failed
+    never shuts down: its RoPE, routed to its binding (or stock), would be handed to the next model built in
+    this process. Forgetting them first makes each engine build its own (engines already running keep theirs)."""
+    from vllm.model_executor.layers import rotary_embedding
+
+    rotary_embedding._ROPE_DICT.clear()
+
+
 class VllmEngine:
     """One vLLM ``LLM`` over a local HF checkpoint directory.
 
@@ -164,6 +174,7 @@ class VllmEngine:
                 os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
                 kwargs.update(attention_config={"backend": "CUSTOM"},
                               async_scheduling=True if async_scheduling is None else async_scheduling)
+        _forget_cached_ropes()
         with warnings.catch_warnings():     # vLLM 0.32 touches deprecated torch.distributed names
             warnings.simplefilter("ignore", FutureWarning)
             self.llm = LLM(model=str(self.model_dir), skip_tokenizer_init=True, dtype=dtype, enforce_eager=enforce_eager,
