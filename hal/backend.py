@@ -488,6 +488,16 @@ class Backend(abc.ABC):
         raise UnsupportedError(f"backend {self.name!r} does not realise FP8 linears (fp8_linear); use one that "
                                f"does (`hal doctor`)")
 
+    def fp8_moe_experts(self, x: torch.Tensor, w13: torch.Tensor, w13_scale_inv: torch.Tensor, w2: torch.Tensor,
+                        w2_scale_inv: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                        shared: torch.Tensor | None = None) -> torch.Tensor:
+        """``moe_experts`` with block-FP8 experts (DeepSeek-V3's): w13 (E, 2I, H) / w2 (E, H, I)
+        float8_e4m3fn with fp32 block scales (E, 2I/B, H/B) / (E, H/B, I/B), DeepSeek's layout per expert.
+        Each slot's MLP is ``fp8_linear`` / ``silu_mul`` / ``fp8_linear`` (fp32 out) of its token's row
+        under [fp8]; the combine is [moe]'s. Needs a contract with both sections."""
+        raise UnsupportedError(f"backend {self.name!r} does not realise FP8 mixture-of-experts layers "
+                               f"(fp8_moe_experts); use one that does (`hal doctor`)")
+
     def fp8_write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      k_scale: torch.Tensor, v_scale: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Quantise k, v (T, Hkv, D) into an FP8 KV cache at flat slots ``page * P + row`` (slot -1 skips):
@@ -788,6 +798,42 @@ def _moe_experts_input(self, x, w13, w2, topk_weights, topk_ids, shared=None):
     return None
 
 
+def _fp8_moe_experts_input(self, x, w13, w13_scale_inv, w2, w2_scale_inv, topk_weights, topk_ids, shared=None):
+    from hal import fp8
+
+    op = "fp8_moe_experts"
+    self.check_not_meta(op, x, w13, w13_scale_inv, w2, w2_scale_inv, topk_weights, topk_ids, shared)
+    spec = fp8.spec_of(self.contract, f"{self.name}.{op}") if self.contract is not None else fp8.baseline_spec()
+    self.check_dtype(op, x, *([shared] if shared is not None else []))
+    if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
+        raise UnsupportedError(f"{self.name}.{op}: x must be (T, H), w13 (E, 2I, H), w2 (E, H, I); got "
+                               f"{tuple(x.shape)}, {tuple(w13.shape)}, {tuple(w2.shape)}")
+    e, two_i, h = w13.shape
+    if e == 0 or h != x.shape[1] or two_i % 2 or tuple(w2.shape) != (e, h, two_i // 2):
+        raise UnsupportedError(f"{self.name}.{op}: shapes do not fit: x {tuple(x.shape)}, w13 {tuple(w13.shape)} "
+                               f"(E >= 1, 2I, H), w2 {tuple(w2.shape)} (E, H, I)")
+    fp8.check_k(h, spec, f"{self.name}.{op} (w13's K = hidden size)")
+    fp8.check_k(two_i // 2, spec, f"{self.name}.{op} (w2's K = expert intermediate size)")
+    for name, w, scale in (("w13", w13, w13_scale_inv), ("w2", w2, w2_scale_inv)):
+        if scale.dim() != 3 or scale.shape[0] != e:
+            raise UnsupportedError(f"{self.name}.{op}: {name}_scale_inv must be (E = {e}, rows/B, K/B), one block grid "
+                                   f"per expert; got {tuple(scale.shape)}")
+        fp8.check_weight(w[0], scale[0], w.shape[2], spec, f"{self.name}.{op} ({name} of one expert)")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0] or topk_weights.shape != topk_ids.shape:
+        raise UnsupportedError(f"{self.name}.{op}: topk_weights and topk_ids must both be (T={x.shape[0]}, k), got "
+                               f"{tuple(topk_weights.shape)} and {tuple(topk_ids.shape)}")
+    if topk_weights.dtype != torch.float32 or topk_ids.dtype not in (torch.int32, torch.int64):
+        raise UnsupportedError(f"{self.name}.{op}: topk_weights must be fp32 and topk_ids int32/int64, got "
+                               f"{topk_weights.dtype} and {topk_ids.dtype}")
+    if shared is not None and shared.shape != x.shape:
+        raise UnsupportedError(f"{self.name}.{op}: shared must be like x {tuple(x.shape)}, got {tuple(shared.shape)}")
+    self.check_devices(op, x, w13, w13_scale_inv, w2, w2_scale_inv, topk_weights, topk_ids, shared)
+    if x.shape[0] == 0:
+        return x.new_empty(x.shape)
+    self.check_expert_ids(topk_ids, e)
+    return None
+
+
 def _fp8_linear_input(self, x, weight, weight_scale_inv, bias=None, *, out_dtype=None):
     from hal import fp8
 
@@ -852,6 +898,7 @@ _INPUT_CHECKS = {
     "log_softmax": _log_softmax_input, "token_logprobs": _token_logprobs_input,
     "sum": _reduce_input("sum"), "mean": _reduce_input("mean"), "topk": _topk_input,
     "moe_route": _moe_route_input, "moe_experts": _moe_experts_input, "fp8_linear": _fp8_linear_input,
+    "fp8_moe_experts": _fp8_moe_experts_input,
     "fp8_write_kv": _fp8_write_kv_input, "fp8_attention": _fp8_attention_input,
 }
 

@@ -11,9 +11,11 @@ primitives (``reference``, ``cuda``):
    order, one division) and scaled. Each step is elementwise, a row max, a [reduce] sum or the
    backend's top-k, so a token's routing cannot depend on its batch-mates.
 2. **expert outputs** (``expert_outputs``): every (token, rank) slot's expert MLP, computed as the
-   backend's own ``linear`` / ``silu_mul`` / ``linear`` of that token's row. Those are batch-invariant
-   under [gemm], so a slot's bits do not depend on which tokens share the expert, their order, or
-   which device (``experts``) computes it: that is what lets expert parallelism keep the bits.
+   backend's own ``linear`` / ``silu_mul`` / ``linear`` of that token's row (``fp8_expert_outputs``: its
+   ``fp8_linear`` / ``silu_mul`` / ``fp8_linear``, for block-FP8 experts under [fp8]). Those are
+   batch-invariant under [gemm] (and [fp8]), so a slot's bits do not depend on which tokens share the
+   expert, their order, or which device (``experts``) computes it: that is what lets expert
+   parallelism keep the bits.
 3. **combine** (``combine``): out = round(sum over ranks 0..k-1 of fl32(w_r * y_r), in rank order, in
    fp32, then + the shared experts' output), rounded once to the activation dtype.
 
@@ -153,15 +155,36 @@ def expert_outputs(backend, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
     ``experts``: compute only these experts' slots (the others stay zero): what one expert-parallel
     rank computes. x: (T, H); w13: (E, 2I, H) rows [gate | up];
     w2: (E, H, I); ids: (T, k)."""
+    def mlp(rows, e):
+        act = backend.silu_mul(backend.linear(rows, w13[e]))
+        return backend.linear(act, w2[e], out_dtype=torch.float32)
+
+    return _slot_outputs(mlp, x, ids, w13.shape[0], experts)
+
+
+def fp8_expert_outputs(backend, x: torch.Tensor, w13: torch.Tensor, w13_scale_inv: torch.Tensor,
+                       w2: torch.Tensor, w2_scale_inv: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``expert_outputs`` of block-FP8 experts: each slot's MLP is ``fp8_linear(silu_mul(fp8_linear(x_t,
+    w13[e])), w2[e], fp32)`` on ``backend`` ([fp8]: each row's activations quantised per 1 x 128 group
+    from that row alone, so a slot's bits do not depend on the expert's other tokens either).
+    w13 (E, 2I, H) / w2 (E, H, I) e4m3 with their per-expert block scales (E, 2I/B, H/B) / (E, H/B, I/B)."""
+    def mlp(rows, e):
+        act = backend.silu_mul(backend.fp8_linear(rows, w13[e], w13_scale_inv[e]))
+        return backend.fp8_linear(act, w2[e], w2_scale_inv[e], out_dtype=torch.float32)
+
+    return _slot_outputs(mlp, x, ids, w13.shape[0], None)
+
+
+def _slot_outputs(mlp: Callable[[torch.Tensor, int], torch.Tensor], x: torch.Tensor, ids: torch.Tensor,
+                  num_experts: int, experts: Iterable[int] | None) -> torch.Tensor:
+    """fp32 (T, k, H): ``mlp(rows of the expert's slots, expert)`` for every expert with a slot."""
     t, k = ids.shape
     out = torch.zeros(t * k, x.shape[-1], dtype=torch.float32, device=x.device)
     wanted = None if experts is None else set(int(e) for e in experts)
-    for expert, slots in slots_by_expert(ids, w13.shape[0]):
+    for expert, slots in slots_by_expert(ids, num_experts):
         if wanted is not None and expert not in wanted:
             continue
-        rows = x[slots // k]
-        act = backend.silu_mul(backend.linear(rows, w13[expert]))
-        out[slots] = backend.linear(act, w2[expert], out_dtype=torch.float32)
+        out[slots] = mlp(x[slots // k], expert)
     return out.view(t, k, x.shape[-1])
 
 
@@ -186,3 +209,9 @@ def combine(outputs: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor |
 def experts(backend, x, w13, w2, weights, ids, shared=None) -> torch.Tensor:
     """The whole expert half of an MoE layer on ``backend``'s primitives: expert outputs, then combine."""
     return combine(expert_outputs(backend, x, w13, w2, ids), weights, shared, x.dtype)
+
+
+def fp8_experts(backend, x, w13, w13_scale_inv, w2, w2_scale_inv, weights, ids, shared=None) -> torch.Tensor:
+    """``experts`` with block-FP8 expert weights: ``fp8_expert_outputs``, then the same combine."""
+    return combine(fp8_expert_outputs(backend, x, w13, w13_scale_inv, w2, w2_scale_inv, ids), weights, shared,
+                   x.dtype)

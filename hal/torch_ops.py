@@ -197,6 +197,20 @@ def _(binding, x, w13, w2, topk_weights, topk_ids, shared):
     return torch.empty_like(x)
 
 
+@torch.library.custom_op("hal::fp8_moe_experts", mutates_args=())
+def fp8_moe_experts(binding: str, x: torch.Tensor, w13: torch.Tensor, w13_scale_inv: torch.Tensor, w2: torch.Tensor,
+                    w2_scale_inv: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                    shared: torch.Tensor | None) -> torch.Tensor:
+    """``Backend.fp8_moe_experts``: block-FP8 experts (e4m3 weights with per-expert block scales)."""
+    return backend_for(binding).fp8_moe_experts(x, w13, w13_scale_inv, w2, w2_scale_inv, topk_weights, topk_ids,
+                                                shared)
+
+
+@fp8_moe_experts.register_fake
+def _(binding, x, w13, w13_scale_inv, w2, w2_scale_inv, topk_weights, topk_ids, shared):
+    return torch.empty_like(x)
+
+
 #: every op of this module (what the opcheck test covers)
 OPS = {"linear": linear, "rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "silu_mul": silu_mul,
        "rotary": rotary, "log_softmax": log_softmax, "attention": attention, "write_kv": write_kv,

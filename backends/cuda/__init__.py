@@ -31,7 +31,7 @@ from hal.kernels.realises import CONTRACT_VALUES, HEAD_DIMS
 MIN_CAPABILITY = (8, 0)  # bf16 tensor-core MMA
 
 CAPABILITIES = Capabilities(
-    contracts=("bf16-dense-v1", "bf16-moe-v1", "bf16-ascend-v1", "bf16-fp8-v1"),
+    contracts=("bf16-dense-v1", "bf16-moe-v1", "bf16-ascend-v1", "bf16-fp8-v1", "bf16-moe-fp8-v1"),
     dtypes=(torch.bfloat16, torch.float32),
     head_dims=HEAD_DIMS,
     page_sizes=None,  # any: a KV chunk that crosses pages is loaded key by key
@@ -226,6 +226,13 @@ class CudaBackend(Backend):
         out = self._fp8_gemm.linear(x2, weight, weight_scale_inv, bias, out_dtype or x.dtype, spec,
                                     policy=self._launch)
         return out.reshape(*x.shape[:-1], weight.shape[0])
+
+    def fp8_moe_experts(self, x, w13, w13_scale_inv, w2, w2_scale_inv, topk_weights, topk_ids, shared=None):
+        # Composed from this backend's fp8_linear, one expert at a time (hal/moe.py), not a grouped FP8
+        # kernel: the bits are fp8_linear's, which the H200 checked; the launches per expert cost speed.
+        moe.check_contract(self)
+        return moe.fp8_experts(self, x.contiguous(), w13, w13_scale_inv, w2, w2_scale_inv, topk_weights, topk_ids,
+                               shared)
 
     # The FP8 KV cache ([fp8].kv_format / kv_scale): the write quantises in the write kernel; attention
     # dequantises each K/V tile as it loads it (the one read path), so it gives the bits of ``attention``

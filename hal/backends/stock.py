@@ -139,6 +139,17 @@ class TorchBackend(Backend):
             out.index_add_(0, token, (y * topk_weights[token, rank].unsqueeze(-1).to(y.dtype)))
         return out
 
+    def fp8_moe_experts(self, x, w13, w13_scale_inv, w2, w2_scale_inv, topk_weights, topk_ids, shared=None):
+        # The expert loop of moe_experts with per-tensor dynamic FP8 linears (fp8_linear below): each
+        # activation scale is taken over all the tokens an expert got, so a token's bits follow them.
+        out = torch.zeros_like(x) if shared is None else shared.clone()
+        for expert in topk_ids.unique().tolist():
+            token, rank = (topk_ids == expert).nonzero(as_tuple=True)
+            gate, up = self.fp8_linear(x[token], w13[expert], w13_scale_inv[expert]).chunk(2, dim=-1)
+            y = self.fp8_linear(F.silu(gate) * up, w2[expert], w2_scale_inv[expert])
+            out.index_add_(0, token, (y * topk_weights[token, rank].unsqueeze(-1).to(y.dtype)))
+        return out
+
     def fp8_linear(self, x, weight, weight_scale_inv, bias=None, *, out_dtype=None):
         # vLLM's per-tensor dynamic FP8 (scaled_fp8_quant without a static scale): one activation scale
         # from the amax of the whole batch, so a token's FP8 values follow its batch-mates; then the

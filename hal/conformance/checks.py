@@ -286,9 +286,38 @@ def _fp8_row_functions(backend: Backend, width: int, out_features: int, dtype: t
     def widen(x):
         return x.repeat(1, -(-k // x.shape[-1]))[:, :k]
 
-    return {"fp8_linear": lambda x: backend.fp8_linear(widen(x), wq, ws),
-            "fp8_linear+bias": lambda x: backend.fp8_linear(widen(x), wq, ws, bias),
-            "fp8_linear->fp32": lambda x: backend.fp8_linear(widen(x), wq, ws, out_dtype=torch.float32)}
+    fns = {"fp8_linear": lambda x: backend.fp8_linear(widen(x), wq, ws),
+           "fp8_linear+bias": lambda x: backend.fp8_linear(widen(x), wq, ws, bias),
+           "fp8_linear->fp32": lambda x: backend.fp8_linear(widen(x), wq, ws, out_dtype=torch.float32)}
+    if backend.contract.moe is not None:
+        fns["fp8 moe layer"] = _fp8_moe_layer(backend, k, out_features, dtype, generator, widen)
+    return fns
+
+
+def _fp8_moe_layer(backend: Backend, k: int, out_features: int, dtype: torch.dtype, generator: torch.Generator,
+                   widen: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A block-FP8 MoE layer ([moe] + [fp8]): 8 experts, top-2, hidden K (the widened row), expert
+    intermediate ``out_features`` rounded up to whole weight blocks, so the down GEMM's K is whole
+    activation groups; the router in the activation dtype."""
+    from hal import fp8
+    from hal.moe import Routing
+
+    spec, device, experts = backend.contract.fp8, backend.device, 8
+    inter = -(-out_features // spec.weight_block) * spec.weight_block
+    router = random_tensor((experts, k), dtype, generator, device=device)
+
+    def stack(n, kk):
+        q, s = fp8.quantise_weight_blocks(random_tensor((experts * n, kk), torch.float32, generator, spread=8), spec)
+        return q.view(experts, n, kk).to(device), s.view(experts, n // spec.weight_block, -1).to(device)
+
+    (w13, w13_s), (w2, w2_s) = stack(2 * inter, k), stack(k, inter)
+
+    def layer(x):
+        x = widen(x)
+        weights, ids = backend.moe_route(backend.linear(x, router, out_dtype=torch.float32), Routing(experts, 2))
+        return backend.fp8_moe_experts(x, w13, w13_s, w2, w2_s, weights, ids)
+
+    return layer
 
 
 def op_row_functions(backend: Backend, width: int, out_features: int, dtype: torch.dtype,

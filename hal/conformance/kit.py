@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 # A skip reason that starts with DECLARED is a capability the backend declared missing (``Backend.unsupported``):
 # the report shows it as "unsupported", which does not break conformance. Any other skip does.
 from hal.conformance.report import DECLARED, NOT_IN_CONTRACT
-from hal.conformance.runner import CHECKS, FP8_OPS, MOE_OPS, OP_OF, ROW_OPS, repro_command
+from hal.conformance.runner import CHECKS, FP8_MOE_OPS, FP8_OPS, MOE_OPS, OP_OF, ROW_OPS, repro_command
 from hal.errors import UnsupportedError
 
 # Sizes that straddle tiles and thresholds: 1, primes, powers of two and their neighbours.
@@ -35,10 +35,14 @@ def out_features(depth: str):
 def skip_unless_in_contract(backend, op: str) -> None:
     """An MoE op under a contract without [moe], an FP8 op under one without [fp8]: the report's "not in
     the contract" (not a failure)."""
-    for ops, section, contract in ((MOE_OPS, "moe", "bf16-moe-v1"), (FP8_OPS, "fp8", "bf16-fp8-v1")):
-        if op in ops and (backend.contract is None or getattr(backend.contract, section) is None):
-            pytest.skip(f"{NOT_IN_CONTRACT}{op}: contract {backend.contract} has no [{section}] section (run the "
-                        f"kit with --contract {contract} for these ops)")
+    needs = ((MOE_OPS, ("moe",), "bf16-moe-v1"), (FP8_OPS, ("fp8",), "bf16-fp8-v1"),
+             (FP8_MOE_OPS, ("moe", "fp8"), "bf16-moe-fp8-v1"))
+    for ops, sections, contract in needs:
+        missing = [s for s in sections if backend.contract is None or getattr(backend.contract, s) is None]
+        if op in ops and missing:
+            pytest.skip(f"{NOT_IN_CONTRACT}{op}: contract {backend.contract} has no "
+                        f"{' or '.join(f'[{s}]' for s in missing)} section (run the kit with --contract {contract} "
+                        f"for these ops)")
 
 
 def row_op_cases(backend, depth: str, op: str) -> dict:

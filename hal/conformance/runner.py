@@ -23,18 +23,22 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 ROW_OPS = ["linear", "linear+bias", "linear->fp32 logits", "rms_norm", "rms_norm+residual", "silu_mul", "rotary",
            "log_softmax", "log_softmax T=0.7", "token_logprobs", "sum", "mean", "topk",
-           "moe_route", "moe_route grouped", "moe layer", "fp8_linear", "fp8_linear+bias", "fp8_linear->fp32"]
+           "moe_route", "moe_route grouped", "moe layer", "fp8_linear", "fp8_linear+bias", "fp8_linear->fp32",
+           "fp8 moe layer"]
 
 # The op each row function exercises (for the report's op x level table).
 OP_OF = {"linear": "linear", "linear+bias": "linear", "linear->fp32 logits": "linear", "rms_norm": "rms_norm",
          "rms_norm+residual": "rms_norm", "silu_mul": "silu_mul", "rotary": "rotary", "log_softmax": "log_softmax",
          "log_softmax T=0.7": "log_softmax", "token_logprobs": "token_logprobs", "sum": "sum", "mean": "mean",
          "topk": "topk", "moe_route": "moe_route", "moe_route grouped": "moe_route", "moe layer": "moe_experts",
-         "fp8_linear": "fp8_linear", "fp8_linear+bias": "fp8_linear", "fp8_linear->fp32": "fp8_linear"}
+         "fp8_linear": "fp8_linear", "fp8_linear+bias": "fp8_linear", "fp8_linear->fp32": "fp8_linear",
+         "fp8 moe layer": "fp8_moe_experts"}
 
-# The ops only a contract with [moe] covers, and those only a contract with [fp8] covers.
+# The ops only a contract with [moe] covers, those only a contract with [fp8] covers, and those that
+# need both (block-FP8 experts: bf16-moe-fp8-v1).
 MOE_OPS = ("moe_route", "moe_experts")
 FP8_OPS = ("fp8_linear",)
+FP8_MOE_OPS = ("fp8_moe_experts",)
 
 
 def _row_fn(backend: Backend, row_op: str, width: int, out_features: int, dtype: str, seed: int):

@@ -226,19 +226,40 @@ def moe_experts(backend: Backend, x: torch.Tensor, w13: torch.Tensor, w2: torch.
         return backend.moe_experts(x, w13, w2, weights, ids, shared)
 
     def graph(x, w13, w2, weights, shared):
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        if shared is not None:
-            out = out + shared.float()
-        k = ids.shape[1]
-        for expert, slots in slots_by_expert(ids, w13.shape[0]):
-            token, rank = slots // k, slots % k
-            gate, up = F.linear(x[token].float(), w13[expert].float()).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, w2[expert].float())
-            out = out.index_add(0, token, weights[token, rank].unsqueeze(-1) * y)
-        return out
+        return _experts_graph(x, w13, w2, weights, ids, shared)
 
     op = KernelOp(name, visible, graph, ("x", "w13", "w2", "topk_weights", "shared"))
     return apply(op, x, w13, w2, weights, shared)
+
+
+def fp8_moe_experts(backend: Backend, x: torch.Tensor, experts, weights: torch.Tensor, ids: torch.Tensor,
+                    shared: torch.Tensor | None, *, name: str = "fp8_moe_experts") -> torch.Tensor:
+    """``backend.fp8_moe_experts`` on an ``Fp8Experts``' quantised buffers (the rollout's bits) with the
+    straight-through gradient of ``fp8_linear``: that of the bf16 experts' graph on the master weights
+    (``w13_weight``, ``w2_weight``), the quantisers counted as the identity; the buffers get none."""
+    def visible(x, w13, w2, weights, shared):
+        return backend.fp8_moe_experts(x, experts.w13_weight_fp8, experts.w13_weight_scale_inv,
+                                       experts.w2_weight_fp8, experts.w2_weight_scale_inv, weights, ids, shared)
+
+    def graph(x, w13, w2, weights, shared):
+        return _experts_graph(x, w13, w2, weights, ids, shared)
+
+    op = KernelOp(name, visible, graph, ("x", "w13", "w2", "topk_weights", "shared"))
+    return apply(op, x, experts.w13_weight, experts.w2_weight, weights, shared)
+
+
+def _experts_graph(x, w13, w2, weights, ids, shared) -> torch.Tensor:
+    """fp32 sum over each token's routed experts of weight * expert MLP (+ shared): the experts' graph."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    if shared is not None:
+        out = out + shared.float()
+    k = ids.shape[1]
+    for expert, slots in slots_by_expert(ids, w13.shape[0]):
+        token, rank = slots // k, slots % k
+        gate, up = F.linear(x[token].float(), w13[expert].float()).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2[expert].float())
+        out = out.index_add(0, token, weights[token, rank].unsqueeze(-1) * y)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ import torch
 
 from hal.backend import Backend
 from hal.model.config import CheckpointError, ModelConfig, read_hf_config
-from hal.model.fp8 import Fp8Loader, check_fresh, fp8_slices, scale_rows
+from hal.model.fp8 import Fp8Loader, check_fresh, fp8_slices, scale_index
 from hal.model.model import MLP, DecoderLM, MoE
 
 log = logging.getLogger(__name__)
@@ -207,10 +207,10 @@ def save_pretrained(model: DecoderLM, path: str | Path) -> Path:
     if model.config.fp8 is not None:     # the fp8 weights and scales the forward uses, DeepSeek's format
         check_fresh(model)
         block_rows = model.config.fp8.weight_block[0]
-        for prefix, (linear, rows) in fp8_slices(model).items():
-            tensors[prefix + ".weight"] = linear.weight_fp8[rows].detach().to("cpu").contiguous().clone()
+        for prefix, (w, index) in fp8_slices(model).items():
+            tensors[prefix + ".weight"] = w.fp8[index].detach().to("cpu").contiguous().clone()
             tensors[prefix + ".weight_scale_inv"] = \
-                linear.weight_scale_inv[scale_rows(rows, block_rows)].detach().to("cpu").contiguous().clone()
+                w.scale_inv[scale_index(index, block_rows)].detach().to("cpu").contiguous().clone()
     safetensors.torch.save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(model.config.to_hf(), indent=2) + "\n")
     return path

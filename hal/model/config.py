@@ -13,8 +13,9 @@ MLP bias, another activation) is refused with the key that asked for it, never s
 
 Block FP8 (``Fp8Quantization``, from the ``quantization_config`` DeepSeek-V3 ships: ``quant_method
 "fp8"``, ``fmt "e4m3"``, ``weight_block_size [128, 128]``, ``activation_scheme "dynamic"``) makes the
-attention and dense-MLP projections FP8 linears (``hal.model.model.Fp8Linear``); the embedding, the
-lm_head, the norms and an MoE router stay in the model dtype, as DeepSeek's checkpoints keep them.
+attention and dense-MLP projections FP8 linears (``hal.model.model.Fp8Linear``) and an MoE model's
+routed experts FP8 experts (``Fp8Experts``); the embedding, the lm_head, the norms and an MoE router
+stay in the model dtype, as DeepSeek's checkpoints keep them.
 """
 
 from __future__ import annotations
@@ -231,16 +232,21 @@ class ModelConfig:
         """Every FP8 linear's K is whole blocks (the activation groups), and every merged projection's
         parts (q | k | v, gate | up) start on a block row, so that each HF tensor's own scales are rows of
         the merged scale grid (vLLM's block-FP8 linears require the same)."""
-        if self.is_moe:
-            raise UnsupportedError("model config: FP8 mixture-of-experts models are not supported (FP8 expert "
-                                   "GEMMs are not implemented); quantization_config fp8 needs a dense model")
         rows, cols = self.fp8.weight_block
         parts = {"hidden_size (K of qkv_proj, gate_up_proj)": (self.hidden_size, cols),
                  "num_attention_heads * head_dim (K of o_proj)": (self.q_size, cols),
-                 "intermediate_size (K of down_proj)": (self.intermediate_size, cols),
                  "num_attention_heads * head_dim (rows of q_proj)": (self.q_size, rows),
-                 "num_key_value_heads * head_dim (rows of k_proj, v_proj)": (self.kv_size, rows),
-                 "intermediate_size (rows of gate_proj, up_proj)": (self.intermediate_size, rows)}
+                 "num_key_value_heads * head_dim (rows of k_proj, v_proj)": (self.kv_size, rows)}
+        if not self.is_moe or self.moe_dense_layers:
+            parts.update({"intermediate_size (K of down_proj)": (self.intermediate_size, cols),
+                          "intermediate_size (rows of gate_proj, up_proj)": (self.intermediate_size, rows)})
+        if self.is_moe:
+            # The routed experts (and the shared ones, one merged MLP of n_shared_experts experts) are FP8
+            # too, as in DeepSeek-V3's checkpoints; the router gate is not.
+            parts.update({"hidden_size (rows of each expert's down_proj)": (self.hidden_size, rows),
+                          "moe_intermediate_size (K of each expert's down_proj)": (self.moe_intermediate_size, cols),
+                          "moe_intermediate_size (rows of each expert's gate_proj, up_proj)":
+                              (self.moe_intermediate_size, rows)})
         for what, (size, block) in parts.items():
             if size % block:
                 raise UnsupportedError(f"model config: {what} = {size} is not a multiple of the FP8 weight block "
@@ -415,9 +421,12 @@ def _read_moe(r: _HfReader, arch: str, num_layers: int) -> dict[str, Any]:
 def tiny_fp8_config(architecture: str = "llama", dtype: str | torch.dtype = "float32", **overrides: Any) -> ModelConfig:
     """The smallest block-FP8 model of the family: every FP8 linear's K and every merged part's rows
     are whole 128-blocks, so hidden 128, 4 query / 2 KV heads of 64 (head dim 64 is one the cuda
-    attention kernels take), intermediate 128; vocab 128, 2 layers."""
+    attention kernels take), intermediate 128 (Qwen3-MoE: experts of intermediate 128); vocab 128,
+    2 layers."""
     base = dict(hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=64, intermediate_size=128,
                 fp8=Fp8Quantization())
+    if architecture == "qwen3_moe":
+        base.update(moe_intermediate_size=128)       # 8 experts, 2 per token (tiny_config's)
     base.update(overrides)
     return tiny_config(architecture, dtype, **base)
 

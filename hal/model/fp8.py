@@ -1,8 +1,10 @@
 """A block-FP8 model's quantised weights: where they come from, and the one way they are recomputed.
 
 An ``Fp8Linear`` keeps a master weight (model dtype, what the optimiser updates) and the quantised
-form every forward uses (``weight_fp8`` e4m3 + ``weight_scale_inv`` fp32 per 128 x 128 block). The
-quantised form is set in exactly two ways:
+form every forward uses (``weight_fp8`` e4m3 + ``weight_scale_inv`` fp32 per 128 x 128 block);
+``Fp8Experts`` keeps two such stacked weights (``w13_weight``, ``w2_weight``, each with its ``_fp8`` and
+``_scale_inv`` buffers, one block grid per expert). ``fp8_weights`` lists them all as ``Fp8Weight``
+records, and everything below works on those. The quantised form is set in exactly two ways:
 
 * **as stored**: from a DeepSeek-style checkpoint (``load_pretrained``) or a weight sync received by
   a rollout model (``load_weight_sync``): the fp8 values and scales are kept bit for bit, never
@@ -18,13 +20,14 @@ A forward whose master weights changed since their quantised form was set refuse
 (``StaleFp8WeightsError``) instead of computing with stale weights: call ``refresh_fp8_weights`` after
 ``optimizer.step()``.
 
-Merged projections: the model holds ``qkv_proj = [q | k | v]`` and ``gate_up_proj = [gate | up]``; each
-HF tensor starts on a block row (``ModelConfig`` checks it), so its scales are whole rows of the merged
+Merged projections: the model holds ``qkv_proj = [q | k | v]``, ``gate_up_proj = [gate | up]`` and each
+expert's ``w13 = [gate | up]``; each HF tensor starts on a block row (``ModelConfig`` checks it), so its scales are whole rows of the merged
 scale grid and quantising the merged weight gives each part the bits quantising it alone gives.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterable
 
 import torch
@@ -33,35 +36,101 @@ from hal import fp8 as f8
 from hal.contract import Fp8
 from hal.errors import CheckpointError, HalError
 
-__all__ = ["StaleFp8WeightsError", "fp8_linears", "fp8_slices", "quantise_master_weights", "refresh_fp8_weights",
-           "weight_sync_tensors", "load_weight_sync", "Fp8Loader", "check_fresh"]
+__all__ = ["StaleFp8WeightsError", "Fp8Weight", "fp8_weights", "fp8_linears", "fp8_slices", "quantise_master_weights",
+           "refresh_fp8_weights", "weight_sync_tensors", "load_weight_sync", "Fp8Loader", "check_fresh"]
 
 
 class StaleFp8WeightsError(HalError):
     """An FP8 linear's master weight changed since its quantised form was computed or loaded."""
 
 
+@dataclass(frozen=True)
+class Fp8Weight:
+    """One quantised weight of a model: the master parameter ``module.<attr>`` (model dtype, (N, K) or an
+    expert stack (E, N, K)) and its buffers ``<attr>_fp8`` (e4m3) and ``<attr>_scale_inv`` (fp32 block
+    scales, (N/B, K/B) or (E, N/B, K/B)). ``name`` is the master parameter's name in the model."""
+
+    name: str
+    module: torch.nn.Module
+    attr: str
+
+    @property
+    def master(self) -> torch.Tensor:
+        return getattr(self.module, self.attr)
+
+    @property
+    def fp8(self) -> torch.Tensor:
+        return getattr(self.module, self.attr + "_fp8")
+
+    @property
+    def scale_inv(self) -> torch.Tensor:
+        return getattr(self.module, self.attr + "_scale_inv")
+
+    @property
+    def fresh(self) -> bool:
+        """Whether the buffers were set from (or loaded with) the master weight's current version."""
+        return self.module.master_versions[self.attr] == self.master._version
+
+    @property
+    def never_set(self) -> bool:
+        return self.module.master_versions[self.attr] is None
+
+    def mark_fresh(self) -> None:
+        self.module.master_versions[self.attr] = self.master._version
+
+
+def fp8_weights(model) -> list[Fp8Weight]:
+    """Every quantised weight (each Fp8Linear's, each Fp8Experts' two), in module order."""
+    from hal.model.model import Fp8Experts, Fp8Linear
+
+    out = []
+    for name, m in model.named_modules():
+        if isinstance(m, Fp8Linear):
+            out.append(Fp8Weight(f"{name}.weight", m, "weight"))
+        elif isinstance(m, Fp8Experts):
+            out += [Fp8Weight(f"{name}.{attr}", m, attr) for attr in ("w13_weight", "w2_weight")]
+    return out
+
+
 def fp8_linears(model) -> list[tuple[str, "torch.nn.Module"]]:
-    """(module name, Fp8Linear) of every FP8 projection, in module order."""
+    """(module name, Fp8Linear) of every FP8 projection, in module order (not the experts)."""
     from hal.model.model import Fp8Linear
 
     return [(name, m) for name, m in model.named_modules() if isinstance(m, Fp8Linear)]
 
 
-def fp8_slices(model) -> dict[str, tuple["torch.nn.Module", slice]]:
-    """HF tensor prefix (``model.layers.0.self_attn.q_proj``) -> (its Fp8Linear, its row slice)."""
+Index = slice | tuple[int, slice]     # rows of a weight, or (expert, rows) of an expert stack
+
+
+def fp8_slices(model) -> dict[str, tuple[Fp8Weight, Index]]:
+    """HF tensor prefix (``model.layers.0.self_attn.q_proj``, ``model.layers.1.mlp.experts.3.up_proj``) ->
+    (its Fp8Weight, its index there: a row slice, or (expert, row slice) in an expert stack)."""
     c = model.config
-    q, kv, inter = c.q_size, c.kv_size, c.intermediate_size
+    q, kv, inter, moe_inter = c.q_size, c.kv_size, c.intermediate_size, c.moe_intermediate_size
     parts = {"self_attn.qkv_proj": (("q_proj", 0, q), ("k_proj", q, q + kv), ("v_proj", q + kv, q + 2 * kv)),
              "self_attn.o_proj": (("o_proj", 0, None),),
-             "mlp.gate_up_proj": (("gate_proj", 0, inter), ("up_proj", inter, 2 * inter)),
-             "mlp.down_proj": (("down_proj", 0, None),)}
+             "mlp.down_proj": (("down_proj", 0, None),),
+             "shared_experts.down_proj": (("down_proj", 0, None),)}
     out = {}
-    for name, linear in fp8_linears(model):
-        prefix, _, merged = name.rpartition(".")
-        module = prefix.rpartition(".")[2] + "." + merged          # self_attn.qkv_proj, mlp.down_proj
-        for hf, start, end in parts[module]:
-            out[f"{prefix}.{hf}"] = (linear, slice(start, end))
+    for w in fp8_weights(model):
+        module_name = w.name.rpartition(".")[0]
+        if w.attr != "weight":                       # an expert stack: one HF tensor per expert and part
+            experts = w.master.shape[0]
+            ranges = (("gate_proj", 0, moe_inter), ("up_proj", moe_inter, 2 * moe_inter)) \
+                if w.attr == "w13_weight" else (("down_proj", 0, None),)
+            for e in range(experts):
+                for hf, start, end in ranges:
+                    out[f"{module_name}.{e}.{hf}"] = (w, (e, slice(start, end)))
+            continue
+        prefix, _, merged = module_name.rpartition(".")
+        module = prefix.rpartition(".")[2] + "." + merged        # self_attn.qkv_proj, mlp.down_proj
+        if merged == "gate_up_proj":                             # a dense MLP's, or the shared experts'
+            width = w.master.shape[0] // 2
+            ranges = (("gate_proj", 0, width), ("up_proj", width, 2 * width))
+        else:
+            ranges = parts[module]
+        for hf, start, end in ranges:
+            out[f"{prefix}.{hf}"] = (w, slice(start, end))
     return out
 
 
@@ -72,19 +141,45 @@ def scale_rows(rows: slice, block_rows: int) -> slice:
     return slice(rows.start // block_rows, stop)
 
 
+def scale_index(index, block_rows: int):
+    """``fp8_slices``' index of a weight -> the index of its scales (the expert stays, the rows scale)."""
+    if isinstance(index, tuple):
+        expert, rows = index
+        return expert, scale_rows(rows, block_rows)
+    return scale_rows(index, block_rows)
+
+
+def _quantise(w: torch.Tensor, spec: Fp8) -> tuple[torch.Tensor, torch.Tensor]:
+    """``hal.fp8.quantise_weight_blocks`` of a weight (N, K) or of every expert of a stack (E, N, K); an
+    expert's N is whole blocks (``ModelConfig`` checks it), so stacking the rows keeps each expert's blocks."""
+    if w.dim() == 2:
+        return f8.quantise_weight_blocks(w, spec)
+    e, n, k = w.shape
+    q, scale_inv = f8.quantise_weight_blocks(w.reshape(e * n, k), spec)
+    return q.view(e, n, k), scale_inv.view(e, n // spec.weight_block, -1)
+
+
+def _dequantise(q: torch.Tensor, scale_inv: torch.Tensor, spec: Fp8) -> torch.Tensor:
+    if q.dim() == 2:
+        return f8.dequantise_weight_blocks(q, scale_inv, spec)
+    e, n, k = q.shape
+    return f8.dequantise_weight_blocks(q.reshape(e * n, k), scale_inv.reshape(-1, scale_inv.shape[-1]), spec) \
+        .view(e, n, k)
+
+
 def quantise_master_weights(model, spec: Fp8 | None = None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """Module name -> (e4m3 weight, fp32 scale_inv) of every FP8 linear: ``hal.fp8.quantise_weight_blocks``
-    of its master weight under the contract's [fp8]. The one function behind ``refresh_fp8_weights`` and
-    ``weight_sync_tensors``."""
+    """Master parameter name -> (e4m3 weight, fp32 scale_inv) of every quantised weight:
+    ``hal.fp8.quantise_weight_blocks`` of its master weight under the contract's [fp8]. The one function
+    behind ``refresh_fp8_weights`` and ``weight_sync_tensors``."""
     spec = spec or model.fp8_spec()
     with torch.no_grad():
-        return {name: f8.quantise_weight_blocks(linear.weight.detach(), spec) for name, linear in fp8_linears(model)}
+        return {w.name: _quantise(w.master.detach(), spec) for w in fp8_weights(model)}
 
 
-def _set(linear, q: torch.Tensor, scale_inv: torch.Tensor) -> None:
-    linear.weight_fp8.copy_(q)
-    linear.weight_scale_inv.copy_(scale_inv)
-    linear.master_version = linear.weight._version
+def _set(w: Fp8Weight, q: torch.Tensor, scale_inv: torch.Tensor) -> None:
+    w.fp8.copy_(q)
+    w.scale_inv.copy_(scale_inv)
+    w.mark_fresh()
 
 
 def refresh_fp8_weights(model) -> None:
@@ -94,8 +189,8 @@ def refresh_fp8_weights(model) -> None:
         return
     quantised = quantise_master_weights(model)
     with torch.no_grad():
-        for name, linear in fp8_linears(model):
-            _set(linear, *quantised[name])
+        for w in fp8_weights(model):
+            _set(w, *quantised[w.name])
 
 
 def weight_sync_tensors(model) -> list[tuple[str, torch.Tensor]]:
@@ -105,17 +200,16 @@ def weight_sync_tensors(model) -> list[tuple[str, torch.Tensor]]:
     from hal.model.checkpoint import hf_slices
 
     quantised = quantise_master_weights(model)
-    by_module = {id(linear): name for name, linear in fp8_linears(model)}
     block_rows = model.config.fp8.weight_block[0]
     out = []
-    fp8_weights = set()
-    for prefix, (linear, rows) in fp8_slices(model).items():
-        q, scale_inv = quantised[by_module[id(linear)]]
-        out.append((prefix + ".weight", q[rows].contiguous()))
-        out.append((prefix + ".weight_scale_inv", scale_inv[scale_rows(rows, block_rows)].contiguous()))
-        fp8_weights.add(prefix + ".weight")
+    fp8_names = set()
+    for prefix, (w, index) in fp8_slices(model).items():
+        q, scale_inv = quantised[w.name]
+        out.append((prefix + ".weight", q[index].contiguous()))
+        out.append((prefix + ".weight_scale_inv", scale_inv[scale_index(index, block_rows)].contiguous()))
+        fp8_names.add(prefix + ".weight")
     for name, (param, rows) in hf_slices(model).items():
-        if name not in fp8_weights:
+        if name not in fp8_names:
             out.append((name, param[rows].detach().contiguous()))
     return out
 
@@ -168,15 +262,15 @@ class Fp8Loader:
         prefix, _, kind = name.rpartition(".")
         if prefix not in self.slices or kind not in ("weight", "weight_scale_inv"):
             return False
-        linear, rows = self.slices[prefix]
+        w, index = self.slices[prefix]
         if kind == "weight":
-            target = linear.weight_fp8[rows]
+            target = w.fp8[index]
             if tensor.dtype != torch.float8_e4m3fn:
                 raise CheckpointError(f"{self.source}: {name} is {tensor.dtype}; the config's quantization_config "
                                       f"(fp8, e4m3) makes it an FP8 linear, whose weight must be stored as "
                                       f"torch.float8_e4m3fn with its {prefix}.weight_scale_inv")
         else:
-            target = linear.weight_scale_inv[scale_rows(rows, self.block[0])]
+            target = w.scale_inv[scale_index(index, self.block[0])]
             if tensor.dtype != torch.float32:
                 raise CheckpointError(f"{self.source}: {name} is {tensor.dtype}; expected float32 (one scale per "
                                       f"{self.block[0]} x {self.block[1]} block)")
@@ -199,20 +293,19 @@ class Fp8Loader:
             raise CheckpointError(f"{self.source}: missing FP8 tensors {missing[:8]}{hint}")
         spec = self.model.fp8_spec()
         with torch.no_grad():
-            for _, linear in fp8_linears(self.model):
-                w = f8.dequantise_weight_blocks(linear.weight_fp8, linear.weight_scale_inv, spec)
-                linear.weight.copy_(w.to(linear.weight.dtype))
-                linear.master_version = linear.weight._version
+            for w in fp8_weights(self.model):
+                w.master.copy_(_dequantise(w.fp8, w.scale_inv, spec).to(w.master.dtype))
+                w.mark_fresh()
 
 
 def check_fresh(model) -> None:
     """Raise ``StaleFp8WeightsError`` if a master weight changed since its quantised form was set."""
-    stale = [name for name, linear in fp8_linears(model) if linear.master_version != linear.weight._version]
+    stale = [w.name for w in fp8_weights(model) if not w.fresh]
     if stale:
-        never = [n for n, linear in fp8_linears(model) if linear.master_version is None]
+        never = [w.name for w in fp8_weights(model) if w.never_set]
         why = "were never set (construct the model with DecoderLM.random or load_pretrained)" if never else \
             "changed since their FP8 weights were computed (optimizer.step()?)"
-        raise StaleFp8WeightsError(f"FP8 linears {stale[:4]}{' ...' if len(stale) > 4 else ''}: the master weights "
+        raise StaleFp8WeightsError(f"FP8 weights {stale[:4]}{' ...' if len(stale) > 4 else ''}: the master weights "
                                    f"{why}; the forward would use stale FP8 weights. Call "
                                    f"hal.model.fp8.refresh_fp8_weights(model) (model.refresh_fp8_weights()) after "
                                    f"each optimizer step, as the weight sync quantises them")

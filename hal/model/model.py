@@ -23,6 +23,9 @@ Weights use vLLM's layout, so a trainer and an engine can hold the very same ten
     <proj>.weight                                  (N, K) model dtype    the master weight (trainable)
     <proj>.weight_fp8                              (N, K) float8_e4m3fn  buffer: what the forward uses
     <proj>.weight_scale_inv                        (N/128, K/128) fp32   buffer: one scale per block
+  and its routed experts as ``Fp8Experts``: ``w13_weight`` / ``w2_weight`` the master weights, with the
+  buffers ``w13_weight_fp8`` / ``w13_weight_scale_inv`` (E, 2*Im/128, H/128) and ``w2_weight_fp8`` /
+  ``w2_weight_scale_inv`` (E, H/128, Im/128); the router gate stays in the model dtype
 
 The block is vLLM's: the residual stream is carried next to the hidden state and added inside the
 fused ``rms_norm(x, w, eps, residual)`` (layer 0 normalises the embedding without an add); Qwen3's
@@ -77,8 +80,8 @@ class Fp8Linear(nn.Module):
     quantised form every forward uses, ``weight_fp8`` (e4m3) with ``weight_scale_inv`` (fp32, one per
     weight block, DeepSeek's layout). The buffers change only through ``hal.model.fp8``: loaded from a
     checkpoint as stored, or recomputed from the master weight (``refresh_fp8_weights``, the same
-    function a weight sync sends). ``master_version`` is the master weight's version counter when
-    the buffers were last set from it: a forward refuses stale buffers (``StaleFp8WeightsError``)."""
+    function a weight sync sends). ``master_versions["weight"]`` is the master weight's version counter
+    when the buffers were last set from it: a forward refuses stale buffers (``StaleFp8WeightsError``)."""
 
     def __init__(self, out_features: int, in_features: int, bias: bool, dtype, device, block: tuple[int, int]):
         super().__init__()
@@ -89,7 +92,7 @@ class Fp8Linear(nn.Module):
                              .to(torch.float8_e4m3fn))
         self.register_buffer("weight_scale_inv", torch.full((-(-out_features // rows), -(-in_features // cols)),
                                                             float("nan"), dtype=torch.float32, device=device))
-        self.master_version: int | None = None     # None: the buffers hold no weights yet
+        self.master_versions: dict[str, int | None] = {"weight": None}    # None: the buffers hold no weights yet
 
 
 def _linear(c: ModelConfig, out_features: int, in_features: int, bias: bool, dtype, device) -> nn.Module:
@@ -149,12 +152,31 @@ class Experts(nn.Module):
         self.w2_weight = nn.Parameter(torch.empty(e, h, i, dtype=dtype, device=device))
 
 
+class Fp8Experts(nn.Module):
+    """Block-FP8 routed experts (DeepSeek-V3's): the stacked master weights ``w13_weight`` (E, 2I, H) rows
+    [gate | up] and ``w2_weight`` (E, H, I) (model dtype, trainable), and as buffers the quantised form
+    every forward uses: ``<w>_fp8`` (e4m3) and ``<w>_scale_inv`` (fp32, (E, rows/B, K/B): each expert's
+    block grid), for w13_weight and w2_weight alike. They change only through ``hal.model.fp8``, as an
+    ``Fp8Linear``'s do; ``master_versions`` holds each master weight's version when its buffers were set."""
+
+    def __init__(self, c: ModelConfig, dtype, device):
+        super().__init__()
+        e, h, i = c.num_experts, c.hidden_size, c.moe_intermediate_size
+        rows, cols = c.fp8.weight_block
+        for name, (n, k) in (("w13_weight", (2 * i, h)), ("w2_weight", (h, i))):
+            self.register_parameter(name, nn.Parameter(torch.empty(e, n, k, dtype=dtype, device=device)))
+            self.register_buffer(name + "_fp8", torch.zeros(e, n, k, device=device).to(torch.float8_e4m3fn))
+            self.register_buffer(name + "_scale_inv", torch.full((e, -(-n // rows), -(-k // cols)), float("nan"),
+                                                                 dtype=torch.float32, device=device))
+        self.master_versions: dict[str, int | None] = {"w13_weight": None, "w2_weight": None}
+
+
 class MoE(nn.Module):
     def __init__(self, c: ModelConfig, dtype, device):
         super().__init__()
         self.routing = c.routing
         self.gate = Router(c, dtype, device)
-        self.experts = Experts(c, dtype, device)
+        self.experts = Fp8Experts(c, dtype, device) if c.fp8 is not None else Experts(c, dtype, device)
         self.shared_experts = MLP(c, dtype, device, c.n_shared_experts * c.moe_intermediate_size) \
             if c.n_shared_experts else None
 
@@ -216,6 +238,10 @@ class _KernelOps:
     def moe_experts(self, x, w13, w2, weights, ids, shared, *, name=""):
         return self.backend.moe_experts(x, w13, w2, weights, ids, shared)
 
+    def fp8_moe_experts(self, x, experts, weights, ids, shared, *, name=""):
+        return self.backend.fp8_moe_experts(x, experts.w13_weight_fp8, experts.w13_weight_scale_inv,
+                                            experts.w2_weight_fp8, experts.w2_weight_scale_inv, weights, ids, shared)
+
 
 class _AutogradOps(_KernelOps):
     """Training: the same kernel calls, with fp32 reference gradients (``hal.model.autograd``)."""
@@ -244,6 +270,9 @@ class _AutogradOps(_KernelOps):
 
     def moe_experts(self, x, w13, w2, weights, ids, shared, *, name=""):
         return ag.moe_experts(self.backend, x, w13, w2, weights, ids, shared, name=name)
+
+    def fp8_moe_experts(self, x, experts, weights, ids, shared, *, name=""):
+        return ag.fp8_moe_experts(self.backend, x, experts, weights, ids, shared, name=name)
 
 
 @dataclass
@@ -497,8 +526,11 @@ class DecoderLM(nn.Module):
         shared = None
         if mlp.shared_experts is not None:
             shared = self._mlp(ops, mlp.shared_experts, h, p + "shared_experts.", record)
-        h = ops.moe_experts(h, mlp.experts.w13_weight, mlp.experts.w2_weight, weights, ids, shared,
-                            name=p + "experts")
+        if isinstance(mlp.experts, Fp8Experts):
+            h = ops.fp8_moe_experts(h, mlp.experts, weights, ids, shared, name=p + "experts")
+        else:
+            h = ops.moe_experts(h, mlp.experts.w13_weight, mlp.experts.w2_weight, weights, ids, shared,
+                                name=p + "experts")
         record(p + "experts", h)
         return h
 

@@ -65,13 +65,14 @@ def _fp8_scheme(model_dir: Path) -> dict | None:
 def _engine_view(model: DecoderLM) -> dict[str, torch.Tensor]:
     """The trainer's tensors under the names of the engine's parameters: its parameters, except that a
     block-FP8 linear's engine ``weight`` is the trainer's e4m3 ``weight_fp8`` (and its
-    ``weight_scale_inv`` the trainer's buffer of that name), not the master weight."""
-    from hal.model.fp8 import fp8_linears
+    ``weight_scale_inv`` the trainer's buffer of that name), not the master weight; FP8 experts' likewise
+    (``w13_weight`` -> ``w13_weight_fp8``, ``w13_weight_scale_inv``; w2 alike)."""
+    from hal.model.fp8 import fp8_weights
 
     view = dict(model.named_parameters())
-    for name, linear in fp8_linears(model):
-        view[f"{name}.weight"] = linear.weight_fp8
-        view[f"{name}.weight_scale_inv"] = linear.weight_scale_inv
+    for w in fp8_weights(model):      # qkv_proj.weight, ..., experts.w13_weight: vLLM's names too
+        view[w.name] = w.fp8
+        view[w.name + "_scale_inv"] = w.scale_inv
     return view
 
 def _forget_cached_ropes() -> None:

@@ -8,7 +8,11 @@ the gate, then the quant method. Two routes make the layer the trainer's ``hal.m
 * ``HalFusedMoEMethod``: a *monolithic* FusedMoE method (vLLM hands it the router logits and does no
   routing of its own): ``torch.ops.hal.moe_route`` then ``torch.ops.hal.moe_experts`` on the bound
   backend, with the layer's plain stacked weights (w13 (E, 2I, H) rows [gate | up], w2 (E, H, I), as
-  vLLM loads them; nothing repacked).
+  vLLM loads them; nothing repacked);
+* ``HalFp8FusedMoEMethod`` (a block-FP8 checkpoint's experts): the same, with the e4m3 weights and their
+  per-expert block scales (``w13_weight_scale_inv`` (E, 2I/B, H/B), ``w2_weight_scale_inv`` (E, H/B, I/B),
+  the names and layout vLLM's own Fp8MoEMethod gives them, loaded by FusedMoE's block-scale loader) kept
+  as loaded, and ``torch.ops.hal.fp8_moe_experts``.
 
 What vLLM would compute outside the HAL is refused when the layer is built: expert or tensor
 parallelism (partial expert sets), bias on the experts, an activation other than SiLU-and-multiply,
@@ -110,6 +114,10 @@ class HalFusedMoEMethod(FusedMoEMethodBase):
                                "vLLM's precomputed routing is not used")
 
     def apply_monolithic(self, layer, x, router_logits, input_ids=None):
+        weights, ids = self._route(layer, router_logits)
+        return torch.ops.hal.moe_experts(self.config.op_key, x, layer.w13_weight, layer.w2_weight, weights, ids, None)
+
+    def _route(self, layer, router_logits):
         if router_logits.dtype != torch.float32:
             raise UnsupportedError(f"hal vLLM plugin: MoE layer got {router_logits.dtype} router logits; the "
                                    f"contract's router is an fp32 GEMM (the gate's HAL route gives fp32)")
@@ -117,8 +125,36 @@ class HalFusedMoEMethod(FusedMoEMethodBase):
         scoring = str(getattr(layer, "scoring_func", "softmax"))
         groups = int(layer.num_expert_group or 1) if getattr(layer, "use_grouped_topk", False) else 1
         topk_groups = int(layer.topk_group or 1) if groups > 1 else 1
-        weights, ids = torch.ops.hal.moe_route(key, router_logits, getattr(layer, "e_score_correction_bias", None),
-                                               router_logits.shape[-1], int(layer.top_k), scoring,
-                                               bool(layer.renormalize), groups, topk_groups, 1.0)
-        return torch.ops.hal.moe_experts(key, x, layer.w13_weight, layer.w2_weight, weights, ids, None)
+        return torch.ops.hal.moe_route(key, router_logits, getattr(layer, "e_score_correction_bias", None),
+                                       router_logits.shape[-1], int(layer.top_k), scoring,
+                                       bool(layer.renormalize), groups, topk_groups, 1.0)
+
+
+class HalFp8FusedMoEMethod(HalFusedMoEMethod):
+    """Block-FP8 experts on the HAL: e4m3 ``w13_weight`` / ``w2_weight`` with their block scales, as loaded."""
+
+    def create_weights(self, layer, num_experts: int, hidden_size: int, intermediate_size_per_partition: int,
+                       params_dtype: torch.dtype, **extra_weight_attrs):
+        from vllm.model_executor.layers.fused_moe import FusedMoeWeightScaleSupported
+        from vllm.model_executor.utils import set_weight_attrs
+
+        rows, cols = self.config.fp8["weight_block_size"]
+        e, h, i = num_experts, hidden_size, intermediate_size_per_partition
+        for what, size in (("hidden size", h), ("expert intermediate size", i)):
+            if size % rows or size % cols:
+                raise UnsupportedError(f"hal vLLM plugin: FP8 experts need whole {rows} x {cols} weight blocks; the "
+                                       f"{what} is {size}")
+        for name, (n, k) in (("w13_weight", (2 * i, h)), ("w2_weight", (h, i))):
+            weight = torch.nn.Parameter(torch.empty(e, n, k, dtype=torch.float8_e4m3fn), requires_grad=False)
+            layer.register_parameter(name, weight)
+            set_weight_attrs(weight, extra_weight_attrs)
+            scale = torch.nn.Parameter(torch.empty(e, n // rows, k // cols, dtype=torch.float32), requires_grad=False)
+            layer.register_parameter(name + "_scale_inv", scale)
+            # FusedMoE's loader puts a block scale where it puts the weight (gate / up halves of w13).
+            set_weight_attrs(scale, {**extra_weight_attrs, "quant_method": FusedMoeWeightScaleSupported.BLOCK.value})
+
+    def apply_monolithic(self, layer, x, router_logits, input_ids=None):
+        weights, ids = self._route(layer, router_logits)
+        return torch.ops.hal.fp8_moe_experts(self.config.op_key, x, layer.w13_weight, layer.w13_weight_scale_inv,
+                                             layer.w2_weight, layer.w2_weight_scale_inv, weights, ids, None)
 

@@ -142,12 +142,12 @@ class HalConfig(QuantizationConfig):
             return HalRouterMethod(self)
         if isinstance(layer, LinearBase):
             # A block-FP8 checkpoint's linears are all FP8 (hal.model: every attention and dense-MLP
-            # projection; MoE with FP8 is refused by the model config); the lm_head is not a LinearBase.
+            # projection; the router is matched above); the lm_head is not a LinearBase.
             return HalFp8LinearMethod(self) if self.fp8 is not None else HalLinearMethod(self)
         if _is_moe_experts(layer):
-            from hal.vllm.moe import HalFusedMoEMethod
+            from hal.vllm.moe import HalFp8FusedMoEMethod, HalFusedMoEMethod
 
-            return HalFusedMoEMethod(self, layer, prefix)
+            return (HalFp8FusedMoEMethod if self.fp8 is not None else HalFusedMoEMethod)(self, layer, prefix)
         if isinstance(layer, Attention):
             _require_gpu_routes(layer)
             return None                            # no KV-cache quantization; attention: hal.vllm.attention

@@ -51,7 +51,7 @@ class ReferenceBackend(Backend):
     name = "reference"
     description = "pure PyTorch, contract-exact and invariant by construction (CPU or any torch device)"
     kind = "cpu"
-    contracts = ("bf16-dense-v1", "bf16-moe-v1", "bf16-ascend-v1", "bf16-fp8-v1")
+    contracts = ("bf16-dense-v1", "bf16-moe-v1", "bf16-ascend-v1", "bf16-fp8-v1", "bf16-moe-fp8-v1")
     dtypes = (torch.bfloat16, torch.float32)
 
     @classmethod
@@ -209,6 +209,10 @@ class ReferenceBackend(Backend):
         xq, x_scale = fp8.quantise_activations(x.reshape(-1, k), spec)
         out = fp8.block_gemm(xq, x_scale, weight, weight_scale_inv, bias, out_dtype or x.dtype, spec)
         return out.reshape(*x.shape[:-1], weight.shape[0])
+
+    def fp8_moe_experts(self, x, w13, w13_scale_inv, w2, w2_scale_inv, topk_weights, topk_ids, shared=None):
+        moe.check_contract(self)
+        return moe.fp8_experts(self, x, w13, w13_scale_inv, w2, w2_scale_inv, topk_weights, topk_ids, shared)
 
     def fp8_write_kv(self, k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping):
         fp8.write_kv_exact(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping,
