@@ -149,14 +149,44 @@ def test_negative_control_a_per_tensor_activation_scale_makes_a_token_follow_its
 
 
 def test_cuda_fp8_moe_experts_are_batch_invariant_and_give_the_reference_bits(cuda):
-    """Under the interpreter the cuda FP8 GEMM gives the reference's bits (test_cuda_fp8.py), so its
-    composed FP8 experts must too; and a token's row is the same alone as in the batch."""
+    """The cuda grouped FP8 expert GEMMs (hal/kernels/fp8_moe.py) under the interpreter, where the FP8 block
+    partial is exact (test_cuda_fp8.py): every slot gets the reference's bits (fp8_linear / silu_mul /
+    fp8_linear of its token's row alone), in the sorted layout and with slot tiles, at other tiles, and
+    a token alone gets its row of the batch. Negative control: the same kernels fed per-tensor scales."""
+    from hal.kernels import fp8_gemm, fp8_moe
+
     x, w = tokens(torch.bfloat16, hidden=CUDA_H, count=6), fp8_layer(torch.bfloat16, hidden=CUDA_H, inter=CUDA_I)
     full, (weights, ids) = fp8_moe_layer(cuda, x, w, QWEN3)
     experts = (w["w13"], w["w13_scale_inv"], w["w2"], w["w2_scale_inv"], weights, ids)
+    assert len(ids.unique()) >= 5
     assert torch.equal(full, REF.fp8_moe_experts(x, *experts))    # the same routing: the router is the backend's
+    for slot_tiles in (True, False):
+        for config in (None, dict(BLOCK_M=32, GATE_BLOCK_N=64, DOWN_BLOCK_N=128)):
+            got = fp8_moe.experts(x, *experts, None, SPEC, config, slot_tiles=slot_tiles)
+            assert torch.equal(got, full), (slot_tiles, config)
     alone, _ = fp8_moe_layer(cuda, x[4:5], w, QWEN3)
     assert torch.equal(alone, full[4:5])
+    # with a shared-expert input, fp32 activations
+    shared = tokens(torch.float32, seed=7, count=6, hidden=CUDA_H)
+    assert torch.equal(cuda.fp8_moe_experts(x.float(), *experts, shared), REF.fp8_moe_experts(x.float(), *experts, shared))
+
+    # negative control: one activation scale for the whole batch (per-tensor) through the same grouped GEMM
+    loud = torch.cat([x, 40 * x[:1]])
+    loud_w, loud_ids = cuda.moe_route(cuda.linear(loud, w["router"], out_dtype=torch.float32), QWEN3)
+
+    def per_tensor(batch, ws, slot_ids):
+        scale = fp8.scale_of(batch.float().abs().amax().reshape(1), SPEC, "e4m3")
+        xq = fp8.quantise(batch.float(), scale, SPEC, "e4m3")
+        xs = scale.expand(batch.shape[0], batch.shape[1] // 128).contiguous()
+        slots = fp8_moe.moe.sort_slots(slot_ids, E, 16)
+        act = fp8_moe.grouped_linear(xq, xs, w["w13"], w["w13_scale_inv"], slots.token, slots, batch.dtype, SPEC,
+                                     32, 4, 1, gated=True)
+        aq, as_ = fp8_gemm.quantise_activations(act, SPEC)
+        down = fp8_moe.grouped_linear(aq, as_, w["w2"], w["w2_scale_inv"], slots.token, slots, torch.float32, SPEC,
+                                      64, 4, 1, x_sorted=True)
+        return fp8_moe.moe.combine(down, slots.position, ws, None, batch.dtype)
+
+    assert not torch.equal(per_tensor(loud, loud_w, loud_ids)[:6], per_tensor(x, weights, ids))
 
 
 # -- errors -----------------------------------------------------------------------------------------

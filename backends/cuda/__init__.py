@@ -100,14 +100,14 @@ class CudaBackend(Backend):
     def __init__(self, contract, device=None):
         super().__init__(contract, device)
         from hal.backends.cuda.launch import CUDA_LAUNCH
-        from hal.kernels import attention, fp8_gemm, gemm, kv_write, logprobs, moe, rows
+        from hal.kernels import attention, fp8_gemm, fp8_moe, gemm, kv_write, logprobs, moe, rows
 
         if _interpreting():
             from hal.kernels.interpreter import patch_row_dot
 
             patch_row_dot()
         self._gemm, self._attention, self._rows, self._logprobs = gemm, attention, rows, logprobs
-        self._kv_write, self._moe, self._fp8_gemm = kv_write, moe, fp8_gemm
+        self._kv_write, self._moe, self._fp8_gemm, self._fp8_moe = kv_write, moe, fp8_gemm, fp8_moe
         self._launch = CUDA_LAUNCH
 
     # -- GEMM ---------------------------------------------------------------------------------
@@ -228,11 +228,15 @@ class CudaBackend(Backend):
         return out.reshape(*x.shape[:-1], weight.shape[0])
 
     def fp8_moe_experts(self, x, w13, w13_scale_inv, w2, w2_scale_inv, topk_weights, topk_ids, shared=None):
-        # Composed from this backend's fp8_linear, one expert at a time (hal/moe.py), not a grouped FP8
-        # kernel: the bits are fp8_linear's, which the H200 checked; the launches per expert cost speed.
+        # Grouped FP8 GEMMs over expert-sorted slots (hal/kernels/fp8_moe.py), no host synchronisation:
+        # each slot gets the bits of fp8_linear / silu_mul / fp8_linear of its token's row alone.
         moe.check_contract(self)
-        return moe.fp8_experts(self, x.contiguous(), w13, w13_scale_inv, w2, w2_scale_inv, topk_weights, topk_ids,
-                               shared)
+        spec = fp8.spec_of(self.contract, "cuda.fp8_moe_experts")
+        self.check_devices("fp8_moe_experts", x, w13, w13_scale_inv, w2, w2_scale_inv, topk_weights, topk_ids,
+                           shared)
+        if not _interpreting():
+            _check_fp8_architecture(x.device)
+        return self._fp8_moe.experts(x, w13, w13_scale_inv, w2, w2_scale_inv, topk_weights, topk_ids, shared, spec)
 
     # The FP8 KV cache ([fp8].kv_format / kv_scale): the write quantises in the write kernel; attention
     # dequantises each K/V tile as it loads it (the one read path), so it gives the bits of ``attention``
