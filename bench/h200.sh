@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (the `device` tool), from the repository root:
 #   bash bench/h200.sh STEP...     steps: equal tile kit-quick kit-full negative model prefill bench sweep profile digest
-#                                  host family fp8 fp8kv moe vllm-part vllm vllm-moe grpo
+#                                  host family fp8 fp8moe fp8kv moe vllm-part vllm vllm-moe grpo
 #                                  (default: equal tile kit-quick negative model bench)
 # Installs this checkout (and the carried stevedore wheel in .whl/) into /tmp/site, then runs
 # from outside the checkout so that the installed package (with hal.backends.cuda) is imported.
@@ -26,6 +26,7 @@
 #                  against vLLM's FlashAttention-3
 #   MOE_ARGS       moe_gpu.py's arguments for `moe` (default "--no-checks --sweep --kernels 1,64,2048,8192");
 #                  vLLM's fused MoE is timed beside ours when the bundle (built with KEEP_MOE=1) is unpacked
+#   FP8MOE_ARGS    fp8_moe_gpu.py's arguments for `fp8moe` (default "--model")
 #   FP8_ARGS       fp8_gpu.py's arguments for `fp8` (default "--quick"); FP8_TAG names its files; with the vLLM
 #                  bundle unpacked its block-FP8 GEMMs are timed beside ours; HAL_TUNE_CACHE (tune section's
 #                  --tune-cache) is where its tuning cache goes / is read
@@ -128,6 +129,16 @@ for step in $steps; do
            --json "$out/fp8_gpu_$tag.json" > "$out/fp8_gpu_$tag.log" 2>&1 || status=1
          cp "${HAL_TUNE_CACHE:-/tmp/fp8_tune.json}" "$out/" 2>/dev/null
          grep -vE '^\[' "$out/fp8_gpu_$tag.log" | tail -n 60 ;;
+    fp8moe) # block-FP8 experts (hal/kernels/fp8_moe.py): bit checks, timing against our bf16 experts and (bundle
+            # unpacked) vLLM's fused FP8 MoE, then the kit's FP8 cells under bf16-moe-fp8-v1 (FP8MOE_ARGS)
+            [ -d /tmp/vllm-parts ] && { vllm_env || true; }
+            python3 "$repo/bench/fp8_moe_gpu.py" ${FP8MOE_ARGS:---model} --json "$out/fp8_moe_gpu.json" \
+              > "$out/fp8_moe_gpu.log" 2>&1 || status=1
+            grep -vE '^\{' "$out/fp8_moe_gpu.log" | tail -n 30
+            python3 -m hal.cli conformance --backend cuda --contract bf16-moe-fp8-v1 --op fp8_moe_experts,fp8_linear \
+              --quick --max-examples "${KIT_EXAMPLES:-8}" --json "$out/conformance_cuda_moe_fp8.json" \
+              > "$out/conformance_cuda_moe_fp8.log" 2>&1 || status=1
+            grep -E '^\||CONFORM|passed|failed' "$out/conformance_cuda_moe_fp8.log" | tail -n 8 ;;
     fp8kv) # the FP8 KV cache: write / read bit checks and decode speed against the bf16 cache (FP8KV_ARGS)
            python3 "$repo/bench/fp8_kv_gpu.py" ${FP8KV_ARGS:-} --json "$out/fp8_kv_gpu.json" > "$out/fp8_kv_gpu.log" 2>&1 || status=1
            tail -n 30 "$out/fp8_kv_gpu.log" ;;

@@ -327,3 +327,20 @@ def test_deepseek_style_fp8_moe_checkpoint_is_used_as_stored_and_round_trips(tmp
     # negative control: requantising the master weights (what "as stored" avoids) gives other bits
     requantised = quantise_master_weights(model)["model.layers.0.mlp.experts.w2_weight"]
     assert not torch.equal(requantised[1], experts.w2_weight_scale_inv)
+
+
+# -- the conformance kit ----------------------------------------------------------------------------
+
+def test_the_kits_fp8_moe_layer_passes_reference_and_catches_per_tensor_scaling():
+    """The kit's ``fp8 moe layer`` row op (levels 1-2 under a contract with [moe] and [fp8]): it passes on
+    reference and batch invariance fails with one activation scale per expert call; under a contract
+    without both sections it is not defined (the kit reports the op as not in the contract)."""
+    from hal.conformance.runner import CHECKS
+
+    params = dict(width=200, out_features=33, dtype="bfloat16", seed=3, batches="1,2,7,17,33")
+    assert CHECKS["determinism"](REF, row_op="fp8 moe layer", **{k: v for k, v in params.items() if k != "batches"}) == []
+    assert CHECKS["batch_invariance"](REF, row_op="fp8 moe layer", **params) == []
+    assert CHECKS["batch_invariance"](PerTensorActivationBackend(MOE_FP8), row_op="fp8 moe layer", **params)
+    for name in ("bf16-moe-v1", "bf16-fp8-v1"):
+        with pytest.raises(ValueError, match="not defined"):
+            CHECKS["batch_invariance"](ReferenceBackend(load_contract(name)), row_op="fp8 moe layer", **params)
