@@ -132,10 +132,10 @@ for step in $steps; do
     fp8moe) # block-FP8 experts (hal/kernels/fp8_moe.py): bit checks, timing against our bf16 experts and (bundle
             # unpacked) vLLM's fused FP8 MoE, then the kit's FP8 cells under bf16-moe-fp8-v1 (FP8MOE_ARGS)
             [ -d /tmp/vllm-parts ] && { vllm_env || true; }
-            python3 "$repo/bench/fp8_moe_gpu.py" ${FP8MOE_ARGS:---model} --json "$out/fp8_moe_gpu.json" \
+            timeout "${FP8MOE_TIMEOUT:-330}" python3 "$repo/bench/fp8_moe_gpu.py" ${FP8MOE_ARGS:---model} --json "$out/fp8_moe_gpu.json" \
               > "$out/fp8_moe_gpu.log" 2>&1 || status=1
             grep -vE '^\{' "$out/fp8_moe_gpu.log" | tail -n 30
-            python3 -m hal.cli conformance --backend cuda --contract bf16-moe-fp8-v1 --op fp8_moe_experts,fp8_linear \
+            timeout "${KIT_TIMEOUT:-200}" python3 -m hal.cli conformance --backend cuda --contract bf16-moe-fp8-v1 --op fp8_moe_experts,fp8_linear \
               --quick --max-examples "${KIT_EXAMPLES:-8}" --json "$out/conformance_cuda_moe_fp8.json" \
               > "$out/conformance_cuda_moe_fp8.log" 2>&1 || status=1
             grep -E '^\||CONFORM|passed|failed' "$out/conformance_cuda_moe_fp8.log" | tail -n 8 ;;
