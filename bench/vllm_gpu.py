@@ -61,17 +61,18 @@ SHAPES = {  # random-weight models shaped like these (issue #19); tiny: a quick 
 }
 # issue #22: the same shapes as DeepSeek-style block-FP8 checkpoints (every linear but the embedding / lm_head:
 # e4m3 weights with one fp32 scale per 128 x 128 block, ``quantization_config.quant_method "fp8"``)
-FP8_SHAPES = ("tiny", "1.7b", "8b")
+FP8_SHAPES = ("tiny", "1.7b", "8b", "30b-a3b-3l")   # the MoE one: FP8 experts too (bf16-moe-fp8-v1)
 SHAPES.update({f"{name}-fp8": dict(SHAPES[name], fp8=True) for name in FP8_SHAPES})
 # the contract a shape's model needs (MoE layers: one with [moe], FP8 linears: one with [fp8]); others the default
 CONTRACTS = {"qwen3_moe": "bf16-moe-v1"}
 FP8_CONTRACT = "bf16-fp8-v1"
+FP8_MOE_CONTRACT = "bf16-moe-fp8-v1"     # an FP8 MoE checkpoint's: [moe] and [fp8]
 
 
 def contract_for(model_dir: Path, kv_cache_dtype: str = "auto") -> str | None:
     """The contract both sides run: the checkpoint's, or with an FP8 KV cache bf16-fp8-v1 (its [fp8])."""
     contract = json.loads((model_dir / "bench_meta.json").read_text()).get("contract")
-    if kv_cache_dtype == "auto" or contract == FP8_CONTRACT:
+    if kv_cache_dtype == "auto" or contract in (FP8_CONTRACT, FP8_MOE_CONTRACT):
         return contract
     if contract is not None:
         raise SystemExit(f"--kv-cache-dtype {kv_cache_dtype}: only for dense shapes (this one runs {contract})")
@@ -390,7 +391,10 @@ def make_checkpoint(shape: str, model_dir: Path) -> None:
     fp8 = Fp8Quantization() if fields.pop("fp8", False) else None
     config = ModelConfig(dtype="bfloat16", fp8=fp8, **fields)
     print(f"writing a random {shape}-shaped checkpoint to {model_dir}", flush=True)
-    contract = FP8_CONTRACT if fp8 is not None else CONTRACTS.get(config.architecture)
+    if fp8 is not None:
+        contract = FP8_MOE_CONTRACT if config.is_moe else FP8_CONTRACT
+    else:
+        contract = CONTRACTS.get(config.architecture)
     save_pretrained(DecoderLM.random(config, seed=1, backend=create_backend("reference", contract)), model_dir)
     (model_dir / "bench_meta.json").write_text(json.dumps({"vocab_size": config.vocab_size, "contract": contract}))
 
