@@ -201,6 +201,37 @@ def timing(cuda, shape_name, tokens_list, device):
     return rows
 
 
+def sweep(cuda, shape_name, tokens_list, device, candidates):
+    """Every candidate launch timed (CUDA-graph replay) in the layout ``sort_slots`` picks, its bits compared
+    with the default launch's; per token count the fastest and its time against the default."""
+    from hal.kernels import fp8_moe
+
+    shape = SHAPES[shape_name]
+    spec = cuda.contract.fp8
+    w = layer(shape, spec, device)
+    routing = routing_of(shape)
+    rows = []
+    for t in tokens_list:
+        x = torch.randn(t, shape["hidden"], generator=torch.Generator().manual_seed(t)).bfloat16().to(device)
+        weights, ids = route(cuda, x, w, routing)
+        default = fp8_moe.experts(x, *fp8_args(w), weights, ids, None, spec)
+        default_us, _ = graph_timed(lambda: fp8_moe.experts(x, *fp8_args(w), weights, ids, None, spec))
+        times, differ = [], []
+        for cfg in candidates:
+            if not torch.equal(fp8_moe.experts(x, *fp8_args(w), weights, ids, None, spec, cfg), default):
+                differ.append(cfg)
+            us, why = graph_timed(lambda: fp8_moe.experts(x, *fp8_args(w), weights, ids, None, spec, cfg))
+            times.append(dict(cfg, us=us, not_captured=why))
+        timed_ok = [r for r in times if r["us"] is not None]
+        best = min(timed_ok, key=lambda r: r["us"]) if timed_ok else None
+        row = dict(shape=shape_name, tokens=t, default_us=default_us, best=best,
+                   default_over_best=(default_us / best["us"]) if best and default_us else None,
+                   candidates=times, differing=differ)
+        print(json.dumps({k: v for k, v in row.items() if k != "candidates"}), flush=True)
+        rows.append(row)
+    return rows
+
+
 def model_check(layers=2, requests=16, new_tokens=32):
     """Train == rollout through the harness on a random block-FP8 Qwen3-30B-A3B-shaped model."""
     from hal.model import DecoderLM, tiny_fp8_config
@@ -237,6 +268,7 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", default="1,4,16,64,512,2048,8192")
     p.add_argument("--model", action="store_true", help="train == rollout on an FP8 Qwen3-30B-A3B-shaped model")
     p.add_argument("--no-candidates", action="store_true", help="check the default launch only")
+    p.add_argument("--sweep", action="store_true", help="only time every candidate launch (bits against the default)")
     p.add_argument("--smoke", action="store_true", help="tiny shape, the interpreter on the CPU: the script itself")
     args = p.parse_args(argv)
     from hal.kernels import fp8_moe
@@ -245,8 +277,26 @@ def main(argv=None) -> int:
     device = cuda.device
     if args.smoke:
         rows, failures = checks(cuda, "smoke", [1, 5], device, [dict(BLOCK_M=32, GATE_BLOCK_N=64, DOWN_BLOCK_N=128)])
+        swept = sweep(cuda, "smoke", [3], device, fp8_moe.CANDIDATES[:2]) if torch.cuda.is_available() else []
         print(f"smoke: {len(rows)} rows, {len(failures)} failures")
-        return 1 if failures else 0
+        return 1 if failures or any(r["differing"] for r in swept) else 0
+    if args.sweep:
+        result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, sweep=[])
+        for shape in args.shapes.split(","):
+            result["sweep"] += sweep(cuda, shape, [int(t) for t in args.tokens.split(",")], device, fp8_moe.CANDIDATES)
+            torch.cuda.empty_cache()
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+        print("\nshape            tokens  default us  best us  default/best  best launch")
+        for r in result["sweep"]:
+            best = r["best"] or {}
+            print(f"{r['shape']:<16} {r['tokens']:>6}  {r['default_us'] or float('nan'):10.1f}  "
+                  f"{best.get('us') or float('nan'):7.1f}  {r['default_over_best'] or float('nan'):12.2f}  "
+                  f"{ {k: v for k, v in best.items() if k not in ('us', 'not_captured')} }")
+        bad = [r for r in result["sweep"] if r["differing"]]
+        print(f"FP8 MOE SWEEP BITS {'PASS' if not bad else 'FAIL'}: "
+              f"{sum(len(r['candidates']) for r in result['sweep'])} launches timed")
+        return 1 if bad else 0
     result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, checks=[], timing=[])
     failures = []
     candidates = [] if args.no_candidates else fp8_moe.CANDIDATES

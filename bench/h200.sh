@@ -26,7 +26,7 @@
 #                  against vLLM's FlashAttention-3
 #   MOE_ARGS       moe_gpu.py's arguments for `moe` (default "--no-checks --sweep --kernels 1,64,2048,8192");
 #                  vLLM's fused MoE is timed beside ours when the bundle (built with KEEP_MOE=1) is unpacked
-#   FP8MOE_ARGS    fp8_moe_gpu.py's arguments for `fp8moe` (default "--model")
+#   FP8MOE_ARGS    fp8_moe_gpu.py's arguments for `fp8moe` (default "--model"); FP8MOE_KIT=0 skips its kit cells
 #   FP8_ARGS       fp8_gpu.py's arguments for `fp8` (default "--quick"); FP8_TAG names its files; with the vLLM
 #                  bundle unpacked its block-FP8 GEMMs are timed beside ours; HAL_TUNE_CACHE (tune section's
 #                  --tune-cache) is where its tuning cache goes / is read
@@ -135,6 +135,7 @@ for step in $steps; do
             timeout "${FP8MOE_TIMEOUT:-330}" python3 "$repo/bench/fp8_moe_gpu.py" ${FP8MOE_ARGS:---model} --json "$out/fp8_moe_gpu.json" \
               > "$out/fp8_moe_gpu.log" 2>&1 || status=1
             grep -vE '^\{' "$out/fp8_moe_gpu.log" | tail -n 30
+            [ "${FP8MOE_KIT:-1}" = 0 ] && continue    # FP8MOE_KIT=0: the bench only (e.g. --sweep)
             timeout "${KIT_TIMEOUT:-200}" python3 -m hal.cli conformance --backend cuda --contract bf16-moe-fp8-v1 --op fp8_moe_experts,fp8_linear \
               --quick --max-examples "${KIT_EXAMPLES:-8}" --json "$out/conformance_cuda_moe_fp8.json" \
               > "$out/conformance_cuda_moe_fp8.log" 2>&1 || status=1
