@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 
 import torch
 
@@ -29,6 +27,7 @@ from hal import fp8
 from hal import moe as hal_moe
 from hal.api import create_backend
 from hal.moe import Routing
+from moe_gpu import graph_timed, model_check, timed      # this folder's MoE bench: one copy of the timers
 
 SHAPES = {
     "qwen3-30b-a3b": dict(hidden=2048, experts=128, top_k=8, inter=768),
@@ -70,38 +69,6 @@ def route(backend, x, w, routing):
 
 def fp8_args(w):
     return w["w13_fp8"], w["w13_scale_inv"], w["w2_fp8"], w["w2_scale_inv"]
-
-
-def timed(fn, repeats=20):
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000)
-    return statistics.median(times)
-
-
-def graph_timed(fn, repeats=20):
-    """Median replay time (us) of ``fn`` captured in a CUDA graph; (None, why) when it cannot be captured."""
-    try:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-    except Exception as exc:  # noqa: BLE001 - report why it is not capturable, go on
-        torch.cuda.synchronize()
-        return None, f"{type(exc).__name__}: {str(exc)[:200]}"
-    return timed(graph.replay, repeats), None
 
 
 def checks(cuda, shape_name, tokens_list, device, candidates):
@@ -165,8 +132,6 @@ def vllm_fp8_experts():
 
 
 def timing(cuda, shape_name, tokens_list, device):
-    from hal.kernels import fp8_moe
-
     shape = SHAPES[shape_name]
     w = layer(shape, cuda.contract.fp8, device)
     routing = routing_of(shape)
@@ -232,34 +197,6 @@ def sweep(cuda, shape_name, tokens_list, device, candidates):
     return rows
 
 
-def model_check(layers=2, requests=16, new_tokens=32):
-    """Train == rollout through the harness on a random block-FP8 Qwen3-30B-A3B-shaped model."""
-    from hal.model import DecoderLM, tiny_fp8_config
-    from hal.rollout import HarnessConfig, Request, RolloutHarness, recompute_logprobs
-
-    backend = create_backend("cuda", "bf16-moe-fp8-v1")
-    config = tiny_fp8_config("qwen3_moe", "bfloat16", vocab_size=151936, hidden_size=2048, num_layers=layers,
-                             num_heads=32, num_kv_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
-                             moe_intermediate_size=768, max_position=4096)
-    model = DecoderLM.random(config, seed=3, backend=backend)
-    g = torch.Generator().manual_seed(4)
-    reqs = [Request(tuple(torch.randint(0, 151936, (int(torch.randint(16, 200, (1,), generator=g)),),
-                                        generator=g).tolist()), new_tokens, seed=i, temperature=1.0)
-            for i in range(requests)]
-    start = time.perf_counter()
-    completions = RolloutHarness(model, HarnessConfig(page_size=64, max_num_seqs=requests, max_batch_tokens=2048,
-                                                      seed=0)).generate(reqs)
-    rollout_s = time.perf_counter() - start
-    with torch.no_grad():
-        trains = recompute_logprobs(model, completions, seed=1, max_batch_sequences=8, page_size=64)
-    generated = sum(len(c.tokens) for c in completions)
-    mismatches = sum(int((lp.cpu() != c.logprobs.cpu()).sum()) for c, lp in zip(completions, trains))
-    result = dict(layers=layers, requests=requests, generated_tokens=generated, mismatching_logprobs=mismatches,
-                  rollout_s=rollout_s)
-    print(json.dumps(result), flush=True)
-    return result
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", default="fp8_moe_gpu.json")
@@ -310,7 +247,7 @@ def main(argv=None) -> int:
         result["timing"] += timing(cuda, shape, [int(t) for t in args.tokens.split(",")], device)
         torch.cuda.empty_cache()
     if args.model:
-        result["model"] = model_check()
+        result["model"] = model_check(layers=2, requests=16, new_tokens=32, fp8=True)
         if result["model"]["mismatching_logprobs"]:
             failures.append(result["model"])
     result["failures"] = failures

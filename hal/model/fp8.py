@@ -106,7 +106,7 @@ def fp8_slices(model) -> dict[str, tuple[Fp8Weight, Index]]:
     """HF tensor prefix (``model.layers.0.self_attn.q_proj``, ``model.layers.1.mlp.experts.3.up_proj``) ->
     (its Fp8Weight, its index there: a row slice, or (expert, row slice) in an expert stack)."""
     c = model.config
-    q, kv, inter, moe_inter = c.q_size, c.kv_size, c.intermediate_size, c.moe_intermediate_size
+    q, kv, moe_inter = c.q_size, c.kv_size, c.moe_intermediate_size
     parts = {"self_attn.qkv_proj": (("q_proj", 0, q), ("k_proj", q, q + kv), ("v_proj", q + kv, q + 2 * kv)),
              "self_attn.o_proj": (("o_proj", 0, None),),
              "mlp.down_proj": (("down_proj", 0, None),),
