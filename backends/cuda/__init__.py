@@ -231,9 +231,7 @@ class CudaBackend(Backend):
         # Grouped FP8 GEMMs over expert-sorted slots (hal/kernels/fp8_moe.py), no host synchronisation:
         # each slot gets the bits of fp8_linear / silu_mul / fp8_linear of its token's row alone.
         moe.check_contract(self)
-        spec = fp8.spec_of(self.contract, "cuda.fp8_moe_experts")
-        self.check_devices("fp8_moe_experts", x, w13, w13_scale_inv, w2, w2_scale_inv, topk_weights, topk_ids,
-                           shared)
+        spec = fp8.spec_of(self.contract, "cuda.fp8_moe_experts")   # devices: the shared input checks
         if not _interpreting():
             _check_fp8_architecture(x.device)
         return self._fp8_moe.experts(x, w13, w13_scale_inv, w2, w2_scale_inv, topk_weights, topk_ids, shared, spec)
