@@ -112,10 +112,22 @@ def _blocked(w: torch.Tensor, b: int) -> tuple[torch.Tensor, int, int]:
     return padded.view(nb, b, kb, b), n, k
 
 
+def _check_whole_block_rows(n: int, block: int) -> None:
+    """An expert stack's rows are whole blocks, so stacking its experts' rows keeps each expert's blocks."""
+    if n % block:
+        raise UnsupportedError(f"an expert stack's weight rows ({n}) must be whole {block}-row blocks")
+
+
 def quantise_weight_blocks(w: torch.Tensor, spec: Fp8) -> tuple[torch.Tensor, torch.Tensor]:
     """Master weights w (N, K) -> (e4m3 (N, K), fp32 scale_inv (ceil(N/B), ceil(K/B))), the scale rule per
-    B x B block: what the trainer hands the rollout engine at a weight sync, and what it computes with."""
+    B x B block: what the trainer hands the rollout engine at a weight sync, and what it computes with.
+    An expert stack (E, N, K) gives (E, N, K) and (E, N/B, ceil(K/B)): each expert's own block grid."""
     b = spec.weight_block
+    if w.dim() == 3:
+        e, n, k = w.shape
+        _check_whole_block_rows(n, b)
+        q, scale = quantise_weight_blocks(w.reshape(e * n, k), spec)
+        return q.view(e, n, k), scale.view(e, n // b, -1)
     blocks, n, k = _blocked(w.float(), b)
     scale = scale_of(blocks.abs().amax(dim=(1, 3)), spec, spec.weight_format)         # (N/B, K/B)
     q = quantise(blocks, scale[:, None, :, None], spec, spec.weight_format)
@@ -123,8 +135,13 @@ def quantise_weight_blocks(w: torch.Tensor, spec: Fp8) -> tuple[torch.Tensor, to
 
 
 def dequantise_weight_blocks(q: torch.Tensor, scale_inv: torch.Tensor, spec: Fp8) -> torch.Tensor:
-    """fp32 w = fl32(fp32(q) * scale_inv[n // B, k // B]) (DeepSeek's ``weight_dequant``)."""
+    """fp32 w = fl32(fp32(q) * scale_inv[n // B, k // B]) (DeepSeek's ``weight_dequant``); an expert stack
+    (E, N, K) with (E, N/B, ceil(K/B)) scales expert by expert."""
     b = spec.weight_block
+    if q.dim() == 3:
+        e, n, k = q.shape
+        _check_whole_block_rows(n, b)
+        return dequantise_weight_blocks(q.reshape(e * n, k), scale_inv.reshape(e * n // b, -1), spec).view(e, n, k)
     n, k = q.shape
     full = scale_inv.float().repeat_interleave(b, 0).repeat_interleave(b, 1)[:n, :k]
     return q.float() * full

@@ -307,8 +307,8 @@ def _fp8_moe_layer(backend: Backend, k: int, out_features: int, dtype: torch.dty
     router = random_tensor((experts, k), dtype, generator, device=device)
 
     def stack(n, kk):
-        q, s = fp8.quantise_weight_blocks(random_tensor((experts * n, kk), torch.float32, generator, spread=8), spec)
-        return q.view(experts, n, kk).to(device), s.view(experts, n // spec.weight_block, -1).to(device)
+        q, s = fp8.quantise_weight_blocks(random_tensor((experts, n, kk), torch.float32, generator, spread=8), spec)
+        return q.to(device), s.to(device)
 
     (w13, w13_s), (w2, w2_s) = stack(2 * inter, k), stack(k, inter)
 

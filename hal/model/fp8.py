@@ -149,31 +149,13 @@ def scale_index(index, block_rows: int):
     return scale_rows(index, block_rows)
 
 
-def _quantise(w: torch.Tensor, spec: Fp8) -> tuple[torch.Tensor, torch.Tensor]:
-    """``hal.fp8.quantise_weight_blocks`` of a weight (N, K) or of every expert of a stack (E, N, K); an
-    expert's N is whole blocks (``ModelConfig`` checks it), so stacking the rows keeps each expert's blocks."""
-    if w.dim() == 2:
-        return f8.quantise_weight_blocks(w, spec)
-    e, n, k = w.shape
-    q, scale_inv = f8.quantise_weight_blocks(w.reshape(e * n, k), spec)
-    return q.view(e, n, k), scale_inv.view(e, n // spec.weight_block, -1)
-
-
-def _dequantise(q: torch.Tensor, scale_inv: torch.Tensor, spec: Fp8) -> torch.Tensor:
-    if q.dim() == 2:
-        return f8.dequantise_weight_blocks(q, scale_inv, spec)
-    e, n, k = q.shape
-    return f8.dequantise_weight_blocks(q.reshape(e * n, k), scale_inv.reshape(-1, scale_inv.shape[-1]), spec) \
-        .view(e, n, k)
-
-
 def quantise_master_weights(model, spec: Fp8 | None = None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Master parameter name -> (e4m3 weight, fp32 scale_inv) of every quantised weight:
     ``hal.fp8.quantise_weight_blocks`` of its master weight under the contract's [fp8]. The one function
     behind ``refresh_fp8_weights`` and ``weight_sync_tensors``."""
     spec = spec or model.fp8_spec()
     with torch.no_grad():
-        return {w.name: _quantise(w.master.detach(), spec) for w in fp8_weights(model)}
+        return {w.name: f8.quantise_weight_blocks(w.master.detach(), spec) for w in fp8_weights(model)}
 
 
 def _set(w: Fp8Weight, q: torch.Tensor, scale_inv: torch.Tensor) -> None:
@@ -294,7 +276,7 @@ class Fp8Loader:
         spec = self.model.fp8_spec()
         with torch.no_grad():
             for w in fp8_weights(self.model):
-                w.master.copy_(_dequantise(w.fp8, w.scale_inv, spec).to(w.master.dtype))
+                w.master.copy_(f8.dequantise_weight_blocks(w.fp8, w.scale_inv, spec).to(w.master.dtype))
                 w.mark_fresh()
 
 
