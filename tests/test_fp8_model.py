@@ -32,8 +32,8 @@ from hal.contract import load_contract
 from hal.errors import CheckpointError, UnsupportedError
 from hal.model import DecoderLM, ModelConfig, load_pretrained, save_pretrained, tiny_config, tiny_fp8_config
 from hal.model import autograd as ag
-from hal.model.fp8 import (StaleFp8WeightsError, fp8_linears, load_weight_sync, quantise_master_weights,
-                           weight_sync_tensors)
+from hal.model.fp8 import (StaleFp8WeightsError, fp8_linears, fp8_weights, load_weight_sync,
+                           quantise_master_weights, weight_sync_tensors)
 from hal.rollout import RolloutHarness, recompute_logprobs
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -274,7 +274,7 @@ def test_after_an_optimizer_step_the_trainers_fp8_weights_are_the_synced_ones():
     trainer = DecoderLM.random(config, seed=11, backend=REF)
     requests = [dataclasses.replace(r, max_new_tokens=6) for r in make_requests(seed=5, count=3)]
     completions = RolloutHarness(trainer, SCHEDULES[1]).generate(requests)
-    before = {name: (bits(m.weight_fp8).clone(), m.weight_scale_inv.clone()) for name, m in fp8_linears(trainer)}
+    before = {w.name: bits(w.fp8).clone() for w in fp8_weights(trainer)}
     optimizer = torch.optim.SGD(trainer.parameters(), lr=0.5)
     logprobs = recompute_logprobs(trainer, completions)
     loss = -torch.cat(logprobs).mean()
@@ -288,23 +288,30 @@ def test_after_an_optimizer_step_the_trainers_fp8_weights_are_the_synced_ones():
         trainer.forward_train(torch.tensor([1, 2, 3]), [3])
     trainer.refresh_fp8_weights()
     # the weight sync: the rollout model gets the trainer's payload (HF names, DeepSeek's format)
-    payload = weight_sync_tensors(trainer)
-    names = dict(payload)
+    names = assert_the_sync_reaches_a_rollout_model(trainer, before, requests)
     assert names["model.layers.0.self_attn.k_proj.weight"].dtype == torch.float8_e4m3fn
     assert names["model.layers.0.self_attn.k_proj.weight_scale_inv"].shape == (1, 1)
-    rollout = DecoderLM(config, backend=REF)
+
+
+def assert_the_sync_reaches_a_rollout_model(trainer, before: dict, requests) -> dict:
+    """After ``refresh_fp8_weights``: a fresh rollout model loaded with the weight sync's payload holds the
+    trainer's fp8 bytes and scales for every quantised weight, which are the contract's rule on its master
+    weight; every weight's fp8 bits changed since ``before`` (name -> bits; the negative control: the step
+    reached them); and train == rollout with that model, holding only the synced tensors. The payload by name."""
+    payload = weight_sync_tensors(trainer)
+    rollout = DecoderLM(trainer.config, backend=trainer.backend)
     assert load_weight_sync(rollout, payload) == len(payload)
     changed = 0
-    for (name, t), (_, r) in zip(fp8_linears(trainer), fp8_linears(rollout)):
-        assert torch.equal(bits(t.weight_fp8), bits(r.weight_fp8)), name
-        assert torch.equal(t.weight_scale_inv, r.weight_scale_inv), name
-        wq, s = fp8.quantise_weight_blocks(t.weight.detach(), SPEC)         # = the contract's rule on the master
-        assert torch.equal(bits(t.weight_fp8), bits(wq)) and torch.equal(t.weight_scale_inv, s)
-        changed += int(not torch.equal(before[name][0], bits(r.weight_fp8)))
-    assert changed == len(before)      # negative control: the step changed every layer's fp8 bits
-    # and train == rollout after the step, the rollout model holding only the synced tensors
+    for t, r in zip(fp8_weights(trainer), fp8_weights(rollout)):
+        assert t.name == r.name and torch.equal(bits(t.fp8), bits(r.fp8)), t.name
+        assert torch.equal(t.scale_inv, r.scale_inv), t.name
+        wq, s = fp8.quantise_weight_blocks(t.master.detach(), SPEC)        # = the contract's rule on the master
+        assert torch.equal(bits(t.fp8), bits(wq)) and torch.equal(t.scale_inv, s), t.name
+        changed += int(not torch.equal(before[t.name], bits(r.fp8)))
+    assert changed == len(before)
     runs = RolloutHarness(rollout, SCHEDULES[0]).generate(requests)
     with torch.no_grad():
         train = recompute_logprobs(trainer, runs, **PACKINGS[1])
     for c, lp in zip(runs, train):
         assert torch.equal(lp, c.logprobs)
+    return dict(payload)
