@@ -104,41 +104,20 @@ Index = slice | tuple[int, slice]     # rows of a weight, or (expert, rows) of a
 
 def fp8_slices(model) -> dict[str, tuple[Fp8Weight, Index]]:
     """HF tensor prefix (``model.layers.0.self_attn.q_proj``, ``model.layers.1.mlp.experts.3.up_proj``) ->
-    (its Fp8Weight, its index there: a row slice, or (expert, row slice) in an expert stack)."""
-    c = model.config
-    q, kv, moe_inter = c.q_size, c.kv_size, c.moe_intermediate_size
-    parts = {"self_attn.qkv_proj": (("q_proj", 0, q), ("k_proj", q, q + kv), ("v_proj", q + kv, q + 2 * kv)),
-             "self_attn.o_proj": (("o_proj", 0, None),),
-             "mlp.down_proj": (("down_proj", 0, None),),
-             "shared_experts.down_proj": (("down_proj", 0, None),)}
-    out = {}
-    for w in fp8_weights(model):
-        module_name = w.name.rpartition(".")[0]
-        if w.attr != "weight":                       # an expert stack: one HF tensor per expert and part
-            experts = w.master.shape[0]
-            ranges = (("gate_proj", 0, moe_inter), ("up_proj", moe_inter, 2 * moe_inter)) \
-                if w.attr == "w13_weight" else (("down_proj", 0, None),)
-            for e in range(experts):
-                for hf, start, end in ranges:
-                    out[f"{module_name}.{e}.{hf}"] = (w, (e, slice(start, end)))
-            continue
-        prefix, _, merged = module_name.rpartition(".")
-        module = prefix.rpartition(".")[2] + "." + merged        # self_attn.qkv_proj, mlp.down_proj
-        if merged == "gate_up_proj":                             # a dense MLP's, or the shared experts'
-            width = w.master.shape[0] // 2
-            ranges = (("gate_proj", 0, width), ("up_proj", width, 2 * width))
-        else:
-            ranges = parts[module]
-        for hf, start, end in ranges:
-            out[f"{prefix}.{hf}"] = (w, slice(start, end))
-    return out
+    (its Fp8Weight, its index there: a row slice, or (expert, row slice) in an expert stack): the HF layout
+    of ``checkpoint.hf_slices`` for every quantised master weight."""
+    from hal.model.checkpoint import hf_slices
+
+    by_master = {id(w.master): w for w in fp8_weights(model)}
+    return {name.removesuffix(".weight"): (by_master[id(param)], index)
+            for name, (param, index) in hf_slices(model).items() if id(param) in by_master}
 
 
 def scale_rows(rows: slice, block_rows: int) -> slice:
     """The rows of a merged weight's scale grid that hold the scales of weight rows ``rows`` (which
     start, and end, on a block row)."""
     stop = None if rows.stop is None else rows.stop // block_rows
-    return slice(rows.start // block_rows, stop)
+    return slice((rows.start or 0) // block_rows, stop)
 
 
 def scale_index(index, block_rows: int):
