@@ -131,24 +131,15 @@ class TorchBackend(Backend):
         # Hugging Face's expert loop: each expert's tokens batched through F.linear (a BLAS call whose
         # kernel depends on how many tokens the expert got), the weighted outputs rounded to the
         # activation dtype and added into the output in expert order, not in each token's rank order.
-        out = torch.zeros_like(x) if shared is None else shared.clone()
-        for expert in topk_ids.unique().tolist():
-            token, rank = (topk_ids == expert).nonzero(as_tuple=True)
-            gate, up = F.linear(x[token], w13[expert]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, w2[expert])
-            out.index_add_(0, token, (y * topk_weights[token, rank].unsqueeze(-1).to(y.dtype)))
-        return out
+        return _expert_loop(x, lambda rows, e: F.linear(rows, w13[e]), lambda act, e: F.linear(act, w2[e]),
+                            topk_weights, topk_ids, shared)
 
     def fp8_moe_experts(self, x, w13, w13_scale_inv, w2, w2_scale_inv, topk_weights, topk_ids, shared=None):
-        # The expert loop of moe_experts with per-tensor dynamic FP8 linears (fp8_linear below): each
-        # activation scale is taken over all the tokens an expert got, so a token's bits follow them.
-        out = torch.zeros_like(x) if shared is None else shared.clone()
-        for expert in topk_ids.unique().tolist():
-            token, rank = (topk_ids == expert).nonzero(as_tuple=True)
-            gate, up = self.fp8_linear(x[token], w13[expert], w13_scale_inv[expert]).chunk(2, dim=-1)
-            y = self.fp8_linear(F.silu(gate) * up, w2[expert], w2_scale_inv[expert])
-            out.index_add_(0, token, (y * topk_weights[token, rank].unsqueeze(-1).to(y.dtype)))
-        return out
+        # The same loop with per-tensor dynamic FP8 linears (fp8_linear below): each activation scale is
+        # taken over all the tokens an expert got, so a token's bits follow them.
+        return _expert_loop(x, lambda rows, e: self.fp8_linear(rows, w13[e], w13_scale_inv[e]),
+                            lambda act, e: self.fp8_linear(act, w2[e], w2_scale_inv[e]), topk_weights, topk_ids,
+                            shared)
 
     def fp8_linear(self, x, weight, weight_scale_inv, bias=None, *, out_dtype=None):
         # vLLM's per-tensor dynamic FP8 (scaled_fp8_quant without a static scale): one activation scale
@@ -165,3 +156,15 @@ class TorchBackend(Backend):
 
 def _log_softmax(logits, temperature):
     return torch.log_softmax(logits.float() / temperature, dim=-1)
+
+
+def _expert_loop(x, gate_up, down, topk_weights, topk_ids, shared):
+    """Hugging Face's MoE expert loop: per expert (ascending id), its tokens' rows through ``gate_up(rows,
+    e)`` and ``down(act, e)``, weighted and added into the output in expert order."""
+    out = torch.zeros_like(x) if shared is None else shared.clone()
+    for expert in topk_ids.unique().tolist():
+        token, rank = (topk_ids == expert).nonzero(as_tuple=True)
+        gate, up = gate_up(x[token], expert).chunk(2, dim=-1)
+        y = down(F.silu(gate) * up, expert)
+        out.index_add_(0, token, (y * topk_weights[token, rank].unsqueeze(-1).to(y.dtype)))
+    return out
