@@ -32,7 +32,7 @@ from hal.contract import load_contract
 from hal.errors import CheckpointError, UnsupportedError
 from hal.model import DecoderLM, ModelConfig, load_pretrained, save_pretrained, tiny_config, tiny_fp8_config
 from hal.model import autograd as ag
-from hal.model.fp8 import (StaleFp8WeightsError, fp8_linears, fp8_weights, load_weight_sync,
+from hal.model.fp8 import (StaleFp8WeightsError, fp8_weights, load_weight_sync,
                            quantise_master_weights, weight_sync_tensors)
 from hal.rollout import RolloutHarness, recompute_logprobs
 
@@ -93,7 +93,7 @@ def mismatches(runs, trains) -> int:
 @pytest.mark.parametrize("arch, dtype", [("llama", "bfloat16"), ("qwen2", "float32")])
 def test_fp8_model_training_logprobs_equal_rollout_logprobs_bitwise(arch, dtype):
     model = DecoderLM.random(tiny_fp8_config(arch, dtype), seed=11, backend=REF)
-    assert len(fp8_linears(model)) == 8          # qkv, o, gate_up, down in both layers; not embed/lm_head
+    assert len(fp8_weights(model)) == 8          # qkv, o, gate_up, down in both layers; not embed/lm_head
     assert isinstance(model.lm_head.weight, torch.nn.Parameter) and model.lm_head.weight.dtype == model.dtype
     requests = make_requests(seed=3)
     schedules, packings = (SCHEDULES, PACKINGS) if arch == "llama" else (SCHEDULES[:2], PACKINGS[1:])
@@ -279,9 +279,9 @@ def test_after_an_optimizer_step_the_trainers_fp8_weights_are_the_synced_ones():
     logprobs = recompute_logprobs(trainer, completions)
     loss = -torch.cat(logprobs).mean()
     loss.backward()
-    for name, m in fp8_linears(trainer):
-        assert m.weight.grad is not None and m.weight.grad.abs().sum() > 0, name
-        assert not m.weight_fp8.requires_grad and not m.weight_scale_inv.requires_grad
+    for w in fp8_weights(trainer):
+        assert w.master.grad is not None and w.master.grad.abs().sum() > 0, w.name
+        assert not w.fp8.requires_grad and not w.scale_inv.requires_grad
     optimizer.step()
     # negative control: the forward refuses the stale FP8 weights instead of using them
     with pytest.raises(StaleFp8WeightsError, match="refresh_fp8_weights"), torch.no_grad():

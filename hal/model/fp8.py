@@ -36,7 +36,7 @@ from hal import fp8 as f8
 from hal.contract import Fp8
 from hal.errors import CheckpointError, HalError
 
-__all__ = ["StaleFp8WeightsError", "Fp8Weight", "fp8_weights", "fp8_linears", "fp8_slices", "quantise_master_weights",
+__all__ = ["StaleFp8WeightsError", "Fp8Weight", "fp8_weights", "fp8_slices", "quantise_master_weights",
            "refresh_fp8_weights", "weight_sync_tensors", "load_weight_sync", "Fp8Loader", "check_fresh"]
 
 
@@ -90,13 +90,6 @@ def fp8_weights(model) -> list[Fp8Weight]:
         elif isinstance(m, Fp8Experts):
             out += [Fp8Weight(f"{name}.{attr}", m, attr) for attr in ("w13_weight", "w2_weight")]
     return out
-
-
-def fp8_linears(model) -> list[tuple[str, "torch.nn.Module"]]:
-    """(module name, Fp8Linear) of every FP8 projection, in module order (not the experts)."""
-    from hal.model.model import Fp8Linear
-
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, Fp8Linear)]
 
 
 Index = slice | tuple[int, slice]     # rows of a weight, or (expert, rows) of an expert stack
