@@ -70,7 +70,7 @@ from hal import fp8
 from hal.api import create_backend
 from hal.backends.cuda.launch import CUDA_LAUNCH, CUDA_LAUNCH_UNTUNED, _tuning_cache
 from hal.contract import load_contract
-from hal.kernels import fp8_gemm, tuning
+from hal.kernels import fp8_gemm, fp8_gemm_sm90, tuning
 from hal.kernels.common import INTERPRET
 
 CONTRACT = load_contract("bf16-fp8-v1")
@@ -322,7 +322,7 @@ def tile_candidates(m, n, k, quick, tma_ok):
     if INTERPRET:
         tiles = [(bm, bn, 4, 1) for bm in (16, 32) for bn in (64, 128, 256)]
         return fp8_gemm.candidates(max(m, 65), n, k, G, False, tiles=tiles)
-    configs = fp8_gemm.candidates(m, n, k, G, tma_ok)
+    configs = fp8_gemm.candidates(m, n, k, G, tma_ok, sm90=fp8_gemm_sm90.available(torch.device("cuda")))
     return configs[::3] if quick else configs
 
 

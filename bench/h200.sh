@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (the `device` tool), from the repository root:
 #   bash bench/h200.sh STEP...     steps: equal tile kit-quick kit-full negative model prefill bench sweep profile digest
-#                                  host family fp8 fp8moe fp8kv moe vllm-part vllm vllm-moe grpo
+#                                  host family fp8 fp8sm90 fp8moe fp8kv moe vllm-part vllm vllm-moe grpo
 #                                  (default: equal tile kit-quick negative model bench)
 # Installs this checkout (and the carried stevedore wheel in .whl/) into /tmp/site, then runs
 # from outside the checkout so that the installed package (with hal.backends.cuda) is imported.
@@ -26,6 +26,7 @@
 #                  against vLLM's FlashAttention-3
 #   MOE_ARGS       moe_gpu.py's arguments for `moe` (default "--no-checks --sweep --kernels 1,64,2048,8192");
 #                  vLLM's fused MoE is timed beside ours when the bundle (built with KEEP_MOE=1) is unpacked
+#   FP8SM90_ARGS   fp8_sm90_gpu.py's arguments for `fp8sm90` (default: bits and speed)
 #   FP8MOE_ARGS    fp8_moe_gpu.py's arguments for `fp8moe` (default "--model"); FP8MOE_KIT=0 skips its kit cells
 #   FP8_ARGS       fp8_gpu.py's arguments for `fp8` (default "--quick"); FP8_TAG names its files; with the vLLM
 #                  bundle unpacked its block-FP8 GEMMs are timed beside ours; HAL_TUNE_CACHE (tune section's
@@ -129,6 +130,9 @@ for step in $steps; do
            --json "$out/fp8_gpu_$tag.json" > "$out/fp8_gpu_$tag.log" 2>&1 || status=1
          cp "${HAL_TUNE_CACHE:-/tmp/fp8_tune.json}" "$out/" 2>/dev/null
          grep -vE '^\[' "$out/fp8_gpu_$tag.log" | tail -n 60 ;;
+    fp8sm90) # the Gluon block-FP8 GEMM (hal/kernels/fp8_gemm_sm90.py): bits against the Triton kernel, speed (FP8SM90_ARGS)
+             python3 "$repo/bench/fp8_sm90_gpu.py" ${FP8SM90_ARGS:-} --json "$out/fp8_sm90_gpu.json" > "$out/fp8_sm90_gpu.log" 2>&1 || status=1
+             grep -vE '^(bits|speed) M=' "$out/fp8_sm90_gpu.log" | tail -n 40 ;;
     fp8moe) # block-FP8 experts (hal/kernels/fp8_moe.py): bit checks, timing against our bf16 experts and (bundle
             # unpacked) vLLM's fused FP8 MoE, then the kit's FP8 cells under bf16-moe-fp8-v1 (FP8MOE_ARGS)
             [ -d /tmp/vllm-parts ] && { vllm_env || true; }

@@ -143,7 +143,7 @@ def test_fp8_gemm_takes_the_policys_launch_and_the_tuner_keeps_the_fastest(cuda,
 
     small = [(16, 64, 4, 1), (16, 128, 4, 1)]                   # interpreter-sized tiles through the same rules
     every = fp8_gemm.candidates
-    monkeypatch.setattr(fp8_gemm, "candidates", lambda *a: every(*a, tiles=small))
+    monkeypatch.setattr(fp8_gemm, "candidates", lambda *a, **kw: every(*a, tiles=small, **kw))
     timings = iter(range(1000, 0, -1))                          # each timing faster than the one before
     cache = tuning.TuneCache("cpu (interpreter)", "x")
     tuning.tune_fp8_gemm([(5, 150, 256)], SPEC, device="cpu", cache=cache, timer=lambda fn: (fn(), next(timings))[1],

@@ -36,6 +36,7 @@ import triton.language as tl
 
 from hal.contract import Fp8
 from hal.fp8 import FORMATS
+from hal.kernels import fp8_gemm_sm90
 from hal.kernels.common import INTERPRET, LAUNCH, cdiv, to_activation
 from hal.kernels.launcher import launch
 from hal.kernels.policy import LaunchPolicy
@@ -284,14 +285,21 @@ _PAIR_ACC_PER_THREAD = 64    # fp32 accumulator values per thread up to which PA
 _HALVES_MIN_N = 128          # HALVES (two half-width MMAs and partials) for tiles at least this wide, above 64 rows
 
 
-def candidates(m: int, n: int, k: int, group: int, tma_ok: bool, tiles=None) -> list[dict]:
+# The Gluon kernel's launches (hal/kernels/fp8_gemm_sm90.py; BLOCK_M, BLOCK_N, warps, stages), offered above 64
+# rows on a Hopper GPU, where the operands allow descriptors.
+_SM90_TILES = [(128, 128, 8, 3), (128, 128, 8, 4), (64, 128, 4, 4), (64, 128, 4, 6), (128, 64, 8, 4), (128, 64, 8, 6)]
+
+
+def candidates(m: int, n: int, k: int, group: int, tma_ok: bool, tiles=None, sm90: bool = False) -> list[dict]:
     """Every contract-preserving launch configuration worth timing for an (m, n, k) FP8 GEMM: the tiles
     of ``_TILES`` whose BLOCK_M is not above M (rounded up to a power of two, at least 64) and that fit
     in shared memory; each by pointer and, above 64 rows where the tensors allow it, by descriptor (two
     descriptors cost ~25 us of host time a call, more than they save of a small M's device time); with
     one or two K blocks per step (PAIR, where the registers allow it and K has two blocks). None of
     these choices changes a bit (tests/test_cuda_fp8.py under the interpreter, bench/fp8_gpu.py's tiles
-    section on the GPU over this same list)."""
+    section on the GPU over this same list). ``sm90`` (the caller's device can run ``fp8_gemm_sm90``): the
+    Gluon kernel's launches too, above 64 rows where descriptors apply (its bits are checked on the GPU only:
+    it does not run under the interpreter)."""
     out = []
     for bm, bn, warps, stages in (_TILES if tiles is None else tiles):
         if bm > max(64, 1 << max(0, (m - 1).bit_length())) or (bm + bn) * group * stages > _SHARED_BYTES:
@@ -304,6 +312,11 @@ def candidates(m: int, n: int, k: int, group: int, tma_ok: bool, tiles=None) -> 
             if bn >= _HALVES_MIN_N and m > 64:
                 out.append(dict(BLOCK_M=bm, BLOCK_N=bn, GROUP_M=8, num_warps=warps, num_stages=stages, tma=tma,
                                 pair=False, halves=True))
+    if sm90 and tma_ok and m > 64:
+        for bm, bn, warps, stages in _SM90_TILES:
+            if group % bn == 0 and (bm + bn) * group * stages <= _SHARED_BYTES:
+                out.append(dict(BLOCK_M=bm, BLOCK_N=bn, GROUP_M=8, num_warps=warps, num_stages=stages, tma=True,
+                                pair=False, halves=False, sm90=True, unroll=2))
     return out
 
 
@@ -335,6 +348,8 @@ def gemm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale_inv:
     halves = bool(cfg.get("halves", False))
     if halves and (cfg["pair"] or cfg["BLOCK_N"] % 32):
         raise ValueError(f"fp8 GEMM launch {cfg}: halves needs pair=False and BLOCK_N a multiple of 32")
+    if cfg.get("sm90"):
+        return _gemm_sm90(xq, x_scale, wq, w_scale_inv, bias, out, group, cfg)
     tma = cfg["tma"] and tma_ok(xq) and tma_ok(wq)   # descriptor loads where the tensors allow (same bits)
     if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
@@ -351,6 +366,30 @@ def gemm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale_inv:
            OUT_BF16=out_dtype == torch.bfloat16, UPCAST=INTERPRET, TMA=tma, PAIR=bool(cfg["pair"]), HALVES=halves,
            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"],
            num_stages=cfg["num_stages"], **LAUNCH)
+    return out
+
+
+def _gemm_sm90(xq, x_scale, wq, w_scale_inv, bias, out, group: int, cfg: dict) -> torch.Tensor:
+    """The same GEMM by ``fp8_gemm_sm90`` (Gluon, Hopper): each K block's scaled add overlapped with the
+    next block's MMAs, the same bits. A launch choice like the others, so an unusable one is an error,
+    not a silent fallback."""
+    m, k = xq.shape
+    n = wq.shape[0]
+    if not fp8_gemm_sm90.available(xq.device):
+        raise ValueError(f"fp8 GEMM launch {cfg}: sm90 needs Triton's Gluon and a Hopper GPU (device {xq.device})")
+    if not fp8_gemm_sm90.config_ok(cfg, group):
+        raise ValueError(f"fp8 GEMM launch {cfg}: sm90 takes BLOCK_M = 64 per 4 warps, BLOCK_N in (64, 128) and "
+                         f"num_stages >= 2")
+    if not (tma_ok(xq) and tma_ok(wq)):
+        raise ValueError("fp8 GEMM launch sm90: the activations and weights must be row-major, 16-byte aligned")
+    x_desc, w_desc = fp8_gemm_sm90.descriptors(xq, wq, cfg["BLOCK_M"], cfg["BLOCK_N"], group)
+    grid = (cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"]),)
+    launch(fp8_gemm_sm90._fp8_gemm_sm90_kernel, grid,
+           x_desc, w_desc, x_scale, w_scale_inv, bias if bias is not None else out, out, m, n, k,
+           x_scale.stride(0), x_scale.stride(1), w_scale_inv.stride(0), w_scale_inv.stride(1), out.stride(0),
+           out.stride(1), GROUP=group, HAS_BIAS=bias is not None, OUT_BF16=out.dtype == torch.bfloat16,
+           BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], GROUP_M=cfg["GROUP_M"], STAGES=cfg["num_stages"],
+           UNROLL=cfg.get("unroll", 2), num_warps=cfg["num_warps"], **LAUNCH)
     return out
 
 

@@ -160,7 +160,7 @@ def tune_fp8_gemm(shapes: Iterable[tuple[int, int, int]], spec: Fp8, *, out_dtyp
     outside what is timed). ``baseline(x_bf16, w_bf16)``: a stock GEMM timed beside it."""
     from hal import fp8
     from hal.backends.cuda.launch import CUDA_LAUNCH_UNTUNED as untuned
-    from hal.kernels import fp8_gemm
+    from hal.kernels import fp8_gemm, fp8_gemm_sm90
 
     g = torch.Generator(device=device).manual_seed(0)
     for m, n, k in shapes:
@@ -172,7 +172,8 @@ def tune_fp8_gemm(shapes: Iterable[tuple[int, int, int]], spec: Fp8, *, out_dtyp
         w_bf16 = w.bfloat16() if baseline is not None else None
         _tune_shape(f"FP8 GEMM ({m}, {n}, {k})", fp8_shape_class(m, n, k, spec, out_dtype),
                     lambda config: fp8_gemm.gemm(xq, xs, wq, ws, None, out_dtype, spec, config, policy=untuned),
-                    fp8_gemm.candidates(m, n, k, spec.activation_group, ok), cache, timer, progress, report,
+                    fp8_gemm.candidates(m, n, k, spec.activation_group, ok,
+                                        sm90=fp8_gemm_sm90.available(xq.device)), cache, timer, progress, report,
                     dict(m=m, n=n, k=k), (lambda: baseline(x, w_bf16)) if baseline is not None else None)
         del x, w, wq, ws, xq, xs, w_bf16
     return cache

@@ -1,0 +1,173 @@
+"""The Gluon block-FP8 GEMM for Hopper (hal/kernels/fp8_gemm_sm90.py) on the GPU: bitwise against the Triton
+kernel, then timed against it and against cuBLAS's block-scaled GEMM (issue #22's large-M target).
+
+Sections (``--only``), each printing a table; every number goes to --json:
+
+  bits    every Gluon launch of ``LAUNCHES`` == the Triton kernel's own launch (``fp8_gemm.gemm``, untuned),
+          bitwise (torch.equal on the raw bits), on shapes that cross every edge: M not a multiple of the
+          tile (1, 5, 100, 257, 1000), N not a multiple of 128 (a partial last weight block: 200, 2112), one
+          to many K blocks, odd and even block counts (the kernel's two-block steps and its one-block tail),
+          bias, bf16 and fp32 out. Inputs of wide dynamic range (``fp8_gpu.activations``).
+  speed   device time (``triton.testing.do_bench``, median, L2 flushed) of the Triton kernel's own launch,
+          each Gluon launch, ``torch._scaled_mm`` with 1x128 / 128x128 block scales (cuBLAS) and cuBLAS bf16,
+          on DeepSeek-V3 / Qwen3-like (N, K) at M = 256..8192. Ratios: cuBLAS block-scaled time / ours.
+
+Exit status 1 if any Gluon launch gives other bits than the Triton kernel (or fails to run).
+
+    python3 bench/fp8_sm90_gpu.py --json fp8_sm90_gpu.json      # on the H200 (bash bench/h200.sh fp8sm90)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+import triton
+
+sys.path.insert(0, __import__("os").path.dirname(__file__))
+from fp8_gpu import CUDA_LAUNCH_UNTUNED, SPEC, activations, bits, layer, speed_weight  # noqa: E402
+
+from hal.kernels import fp8_gemm, fp8_gemm_sm90  # noqa: E402
+
+# (BLOCK_M, BLOCK_N, warps, stages, unroll). unroll 1 waits for every block's MMAs before its add (the
+# Triton kernel's schedule, in Gluon): the control that shows what the overlap itself buys.
+LAUNCHES = [(128, 128, 8, 3, 2), (128, 128, 8, 4, 2), (64, 128, 4, 4, 2), (64, 128, 4, 6, 2), (128, 64, 8, 4, 2),
+            (128, 64, 8, 6, 2), (64, 64, 4, 6, 2), (128, 128, 8, 4, 1), (64, 128, 4, 4, 1)]
+BIT_SHAPES = [  # (N, K, bias, out dtype)
+    (200, 128, True, torch.bfloat16), (200, 384, False, torch.float32), (2112, 640, True, torch.bfloat16),
+    (4096, 7168, False, torch.bfloat16), (7168, 2048, True, torch.float32), (2112, 7168, False, torch.bfloat16)]
+BIT_MS = (1, 5, 100, 257, 1000)
+SPEED_SHAPES = [(4096, 4096), (2112, 7168), (7168, 2048), (24576, 1536), (7168, 18432)]
+SPEED_MS = (256, 1024, 4096, 8192)
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def cfg_of(launch) -> dict:
+    bm, bn, warps, stages, unroll = launch
+    return dict(BLOCK_M=bm, BLOCK_N=bn, GROUP_M=8, num_warps=warps, num_stages=stages, tma=True, pair=False,
+                halves=False, sm90=True, unroll=unroll)
+
+
+def name_of(launch) -> str:
+    bm, bn, warps, stages, unroll = launch
+    return f"gl {bm}x{bn} w{warps} s{stages} u{unroll}"
+
+
+def bits_section(device) -> tuple[list, bool]:
+    rows, ok = [], True
+    for si, (n, k, has_bias, out_dtype) in enumerate(BIT_SHAPES):
+        wq, ws, bias = (t.to(device) if t is not None else None for t in layer(n, k, seed=40 + si, bias=has_bias))
+        for m in BIT_MS:
+            xq, xs = fp8_gemm.quantise_activations(activations(m, k, seed=50 + m).to(device), SPEC)
+            base = fp8_gemm.gemm(xq, xs, wq, ws, bias, out_dtype, SPEC, policy=CUDA_LAUNCH_UNTUNED)
+            row = dict(n=n, k=k, m=m, bias=has_bias, out=str(out_dtype), identical=[], differing=[], errors=[])
+            for launch in LAUNCHES:
+                try:
+                    out = fp8_gemm.gemm(xq, xs, wq, ws, bias, out_dtype, SPEC, cfg_of(launch),
+                                        policy=CUDA_LAUNCH_UNTUNED)
+                    torch.cuda.synchronize()
+                except Exception as exc:  # noqa: BLE001 - reported and failed, never skipped
+                    row["errors"].append(dict(launch=name_of(launch), error=str(exc).splitlines()[0][:300]))
+                    continue
+                same = torch.equal(bits(out), bits(base))
+                row["identical" if same else "differing"].append(name_of(launch))
+                if not same:
+                    diff = (out.float() - base.float()).abs()
+                    row.setdefault("max_abs_diff", {})[name_of(launch)] = float(diff.max())
+            ok &= not row["differing"] and not row["errors"]
+            rows.append(row)
+            log(f"bits M={m} N={n} K={k} bias={has_bias} {out_dtype}: {len(row['identical'])}/{len(LAUNCHES)} "
+                f"identical" + (f", DIFFER {row['differing']}" if row["differing"] else "")
+                + (f", ERRORS {row['errors']}" if row["errors"] else ""))
+    return rows, ok
+
+
+def bench_us(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1000
+
+
+def speed_section(device, shapes, ms) -> list:
+    rows = []
+    bf16 = torch.bfloat16
+    for si, (n, k) in enumerate(shapes):
+        w = speed_weight(n, k, seed=70 + si, device=device)
+        for m in ms:
+            x = torch.randn(m, k, device=device, generator=torch.Generator(device=device).manual_seed(m)).bfloat16()
+            xq, xs = fp8_gemm.quantise_activations(x, SPEC)
+            xs_col = xs.t().contiguous().t()
+            fns = {"triton": lambda: fp8_gemm.gemm(xq, xs, w["wq"], w["ws"], None, bf16, SPEC,
+                                                   policy=CUDA_LAUNCH_UNTUNED),
+                   "scaled_mm_blockwise": lambda: torch._scaled_mm(xq, w["wq"].t(), scale_a=xs_col,
+                                                                   scale_b=w["ws"].t(), out_dtype=bf16),
+                   "cublas_bf16": lambda: torch.nn.functional.linear(x, w["bf16"])}
+            for launch in LAUNCHES:
+                fns[name_of(launch)] = (lambda cfg: lambda: fp8_gemm.gemm(xq, xs, w["wq"], w["ws"], None, bf16, SPEC,
+                                                                          cfg, policy=CUDA_LAUNCH_UNTUNED))(cfg_of(launch))
+            row = dict(m=m, n=n, k=k, us={}, na={})
+            for name, fn in fns.items():
+                try:
+                    fn()
+                    torch.cuda.synchronize()
+                    row["us"][name] = bench_us(fn)
+                except Exception as exc:  # noqa: BLE001 - a comparator this torch lacks: n/a, with why
+                    row["na"][name] = str(exc).splitlines()[0][:200]
+            us = row["us"]
+            gl_times = {nm: t for nm, t in us.items() if nm.startswith("gl ") and nm.endswith("u2")}
+            if gl_times:
+                best = min(gl_times, key=gl_times.get)
+                row["best_gluon"] = best
+                row["triton_over_best_gluon"] = us["triton"] / gl_times[best]
+                if "scaled_mm_blockwise" in us:
+                    row["cublas_block_over_triton"] = us["scaled_mm_blockwise"] / us["triton"]
+                    row["cublas_block_over_best_gluon"] = us["scaled_mm_blockwise"] / gl_times[best]
+            row["tflops"] = {nm: 2.0 * m * n * k / (t * 1e-6) / 1e12 for nm, t in us.items()}
+            rows.append(row)
+            log(f"speed M={m} N={n} K={k}: " + ", ".join(f"{nm} {t:.1f}" for nm, t in us.items()))
+    print(f"\n{'M':>5} {'N':>6} {'K':>6} {'triton us':>10} {'best gluon':>24} {'us':>8} {'cuBLAS blk':>10} "
+          f"{'blk/triton':>10} {'blk/gluon':>10}")
+    for r in rows:
+        us = r["us"]
+        if "best_gluon" not in r:
+            continue
+        print(f"{r['m']:>5} {r['n']:>6} {r['k']:>6} {us['triton']:>10.1f} {r['best_gluon']:>24} "
+              f"{us[r['best_gluon']]:>8.1f} {us.get('scaled_mm_blockwise', float('nan')):>10.1f} "
+              f"{r.get('cublas_block_over_triton', float('nan')):>10.2f} "
+              f"{r.get('cublas_block_over_best_gluon', float('nan')):>10.2f}")
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", required=True)
+    ap.add_argument("--only", default="bits,speed")
+    ap.add_argument("--quick", action="store_true", help="three speed shapes at M = 1024 and 8192")
+    args = ap.parse_args()
+    device = torch.device("cuda")
+    if not fp8_gemm_sm90.available(device):
+        log("fp8_gemm_sm90 is not available here (needs Triton's Gluon and a Hopper GPU)")
+        return 1
+    started = time.time()
+    out = dict(device=torch.cuda.get_device_name(), triton=triton.__version__, torch=torch.__version__,
+               launches=[name_of(launch) for launch in LAUNCHES])
+    ok = True
+    only = args.only.split(",")
+    if "bits" in only:
+        out["bits"], ok = bits_section(device)
+        log(f"bits: {'PASS' if ok else 'FAIL'}")
+    if "speed" in only:
+        shapes, ms = (SPEED_SHAPES[:2] + SPEED_SHAPES[-1:], (1024, 8192)) if args.quick else (SPEED_SHAPES, SPEED_MS)
+        out["speed"] = speed_section(device, shapes, ms)
+    out["seconds"] = time.time() - started
+    with open(args.json, "w") as f:
+        json.dump(out, f, indent=1)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
