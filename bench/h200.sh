@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (the `device` tool), from the repository root:
 #   bash bench/h200.sh STEP...     steps: equal tile kit-quick kit-full negative model prefill bench sweep profile digest
-#                                  host family fp8 fp8sm90 fp8moe fp8kv moe vllm-part vllm vllm-moe grpo
+#                                  host family fp8 fp8sm90 prefill-launch fp8moe fp8kv moe vllm-part vllm vllm-moe grpo
 #                                  (default: equal tile kit-quick negative model bench)
 # Installs this checkout (and the carried stevedore wheel in .whl/) into /tmp/site, then runs
 # from outside the checkout so that the installed package (with hal.backends.cuda) is imported.
@@ -130,6 +130,10 @@ for step in $steps; do
            --json "$out/fp8_gpu_$tag.json" > "$out/fp8_gpu_$tag.log" 2>&1 || status=1
          cp "${HAL_TUNE_CACHE:-/tmp/fp8_tune.json}" "$out/" 2>/dev/null
          grep -vE '^\[' "$out/fp8_gpu_$tag.log" | tail -n 60 ;;
+    prefill-launch) # prefill attention launch shapes (bench/prefill_launch_gpu.py): bits against the default, speed vs SDPA flash
+                    (cd "$repo/bench" && python3 prefill_launch_gpu.py --json "$out/prefill_launch.json") \
+                      > "$out/prefill_launch.log" 2>&1 || status=1
+                    tail -n 12 "$out/prefill_launch.log" ;;
     fp8sm90) # the Gluon block-FP8 GEMM (hal/kernels/fp8_gemm_sm90.py): bits against the Triton kernel, speed (FP8SM90_ARGS)
              python3 "$repo/bench/fp8_sm90_gpu.py" ${FP8SM90_ARGS:-} --json "$out/fp8_sm90_gpu.json" > "$out/fp8_sm90_gpu.log" 2>&1 || status=1
              grep -vE '^(bits|speed) M=' "$out/fp8_sm90_gpu.log" | tail -n 40 ;;

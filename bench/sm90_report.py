@@ -18,6 +18,7 @@ it the compiler cannot vectorise loads and the report would describe a kernel no
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import re
@@ -51,6 +52,22 @@ def compile_for_hopper(kernel, types: dict, constants: dict, num_warps: int, num
                                                               enable_fp_fusion=False))
 
 
+def loop_sizes(sass: str) -> list[tuple[int, collections.Counter]]:
+    """Every loop of the SASS (a backward branch and the instructions it jumps over): (instructions, opcode
+    counts), in address order. A kernel's main loop is one of them; its size is the per-iteration cost."""
+    code = [(int(a, 16), text.strip()) for a, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    index = {address: i for i, (address, _) in enumerate(code)}
+    loops = []
+    for i, (address, text) in enumerate(code):
+        target = re.search(r"BRA (0x[0-9a-f]+)", text)
+        if target and int(target.group(1), 16) < address and int(target.group(1), 16) in index:
+            body = code[index[int(target.group(1), 16)]:i + 1]
+            ops = collections.Counter((t.split()[1] if t.startswith("@") else t.split()[0]).split(".")[0]
+                                      for _, t in body)
+            loops.append((len(body), ops))
+    return loops
+
+
 def report(compiled) -> dict:
     ptx = compiled.asm["ptx"]
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
@@ -58,10 +75,13 @@ def report(compiled) -> dict:
         cubin.flush()
         usage = subprocess.run([os.path.join(TOOLS, "cuobjdump"), "--dump-resource-usage", cubin.name],
                                capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([os.path.join(TOOLS, "cuobjdump"), "-sass", cubin.name],
+                              capture_output=True, text=True, check=True).stdout
     found = re.search(r"REG:(\d+).*?STACK:(\d+)", usage)
     return dict(registers=int(found.group(1)), spill_stack_bytes=int(found.group(2)),
                 shared_bytes=compiled.metadata.shared, wgmma=len(re.findall(r"wgmma\.mma_async", ptx)),
-                wgmma_waits=" ".join(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)) or "-")
+                wgmma_waits=" ".join(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)) or "-",
+                loops=loop_sizes(sass))
 
 
 GEMM_TYPES = dict(bias_ptr="*bf16", out_ptr="*bf16", partial_ptr="*fp32", M="i32", N="i32", K="i32",
@@ -101,40 +121,69 @@ ATTENTION_TYPES = dict(q_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16", 
                        query_start_ptr="*i32", seq_lens_ptr="*i32", block_table_ptr="*i32", num_seqs="i32",
                        num_tiles="i32", stride_qt="i32", stride_qh="i32", stride_bt="i32", stride_kp="i32",
                        stride_kr="i32", stride_kh="i32", stride_ot="i32", stride_oh="i32", num_q_heads="i32",
-                       max_splits="i32", scale_log2e="fp32", group="i32")
+                       max_splits="i32", scale_log2e="fp32", group="i32", k_scale_ptr="*fp32", v_scale_ptr="*fp32",
+                       stride_sp="i32", stride_sr="i32", stride_sh="i32")
 
 
 def attention_rows():
     """Prefill (64-key pages) and decode (16-key pages) of 32 query / 8 KV heads of 128, bf16: the
-    default launch shapes, and decode programs that walk 2 or 4 consecutive splits."""
-    for phase, tokens, seqs, page, override in [("prefill", 4096, 1, 64, {}), ("decode", 8, 8, 16, {}),
-                                                ("decode", 8, 8, 16, dict(splits_per_program=2)),
-                                                ("decode", 8, 8, 16, dict(splits_per_program=4)),
-                                                ("prefill", 4096, 1, 64, dict(tma=True)),
-                                                ("decode", 8, 8, 64, dict(tma=True)),
-                                                ("decode", 8, 8, 64, dict(tma=True, splits_per_program=2))]:
+    default launch shapes, and decode programs that walk 2 or 4 consecutive splits; then decode over the
+    FP8 KV cache ([fp8], per (token, head) scales) at the default decode shape, whose chunk loop shows what
+    the read path's dequantisation costs against the bf16 cache's (``loop`` below: the unmasked chunk loop)."""
+    for phase, tokens, seqs, page, override, fp8 in [
+            ("prefill", 4096, 1, 64, {}, False), ("decode", 8, 8, 16, {}, False),
+            ("decode", 8, 8, 16, dict(splits_per_program=2), False),
+            ("decode", 8, 8, 16, dict(splits_per_program=4), False),
+            ("prefill", 4096, 1, 64, dict(tma=True), False), ("decode", 8, 8, 64, dict(tma=True), False),
+            ("decode", 8, 8, 64, dict(tma=True, splits_per_program=2), False),
+            ("decode", 8, 8, 16, dict(splits_per_program=2), True)]:
         shape = dict(attention._launch_shape(tokens, seqs, group_pad=4), **override)
         types = dict(ATTENTION_TYPES)
         if shape["tma"]:  # K/V by descriptors of one head's 64-key chunk of a page
             types.update(k_cache_ptr="tensordesc<bf16[64, 128]>", v_cache_ptr="tensordesc<bf16[64, 128]>")
+        if fp8:
+            types.update(k_cache_ptr="*fp8e4nv", v_cache_ptr="*fp8e4nv")
         constants = dict(PAGE_SIZE=page, KV_SPLIT=512, GROUP_PAD=4, HEAD_SPLIT=shape["head_split"],
                          SPLITS_PER_PROGRAM=shape["splits_per_program"], HEADS_FASTEST=shape["heads_fastest"],
                          BLOCK_Q=max(1, shape["rows"] // (4 // shape["head_split"])), HEAD_DIM=128,
                          SPLIT_PARALLEL=shape["decode"], IS_BF16=True, UPCAST=False, KV_CHUNK=64,
-                         BLOCK_B=attention.BLOCK_B, TMA=shape["tma"])
+                         BLOCK_B=attention.BLOCK_B, TMA=shape["tma"], EXP2=True, ROUNDED_SUM=True, KV_FP8=fp8,
+                         PER_TOKEN_SCALE=fp8, OPERAND_BARRIER=fp8)
         compiled = compile_for_hopper(attention._attention_kernel, types, constants, shape["num_warps"],
                                       shape["num_stages"],
-                                      not16=("num_seqs", "num_tiles", "group", "max_splits", "num_q_heads"))
-        yield (f"attention {phase}: {shape['rows']} rows, {shape['splits_per_program']} split(s) per program, "
-               f"w{shape['num_warps']} s{shape['num_stages']}" + (" TMA" if shape["tma"] else ""), report(compiled))
+                                      not16=("num_seqs", "num_tiles", "group", "max_splits", "num_q_heads",
+                                             "stride_sh"))
+        yield (f"attention {phase}{' fp8 KV' if fp8 else ''}: {shape['rows']} rows, "
+               f"{shape['splits_per_program']} split(s)/program, w{shape['num_warps']} s{shape['num_stages']}"
+               + (" TMA" if shape["tma"] else ""), report(compiled))
+
+
+def fp8_gemm_rows():
+    """The Gluon block-FP8 GEMM (hal/kernels/fp8_gemm_sm90.py) at its launches: the overlap is the wgmma wait
+    for 1 outstanding group; ``serialised`` is ptxas's C7514 (every wgmma of the kernel serialised)."""
+    from hal.kernels import fp8_gemm, fp8_gemm_sm90
+
+    for bm, bn, warps, stages in fp8_gemm._SM90_TILES:
+        cfg = dict(BLOCK_M=bm, BLOCK_N=bn, GROUP_M=8, num_warps=warps, num_stages=stages, unroll=2)
+        compiled = fp8_gemm_sm90.compile_offline(cfg)
+        ptxas = fp8_gemm_sm90.ptxas_report(compiled)
+        row = report(compiled)
+        row["wgmma_waits"] += " serialised" if ptxas["serialised"] else ""
+        yield f"fp8 gemm sm90 (Gluon) {bm}x{bn} w{warps} s{stages}", row
 
 
 def main() -> int:
     print(f"triton {triton.__version__} (the H200 image has 3.6.0), target sm_90", flush=True)
-    print(f"{'kernel and launch shape':<58} {'regs':>5} {'spill B':>8} {'smem KB':>8} {'wgmma':>6}  waits")
-    for name, r in [*gemm_rows(), *attention_rows()]:
-        print(f"{name:<58} {r['registers']:>5} {r['spill_stack_bytes']:>8} {r['shared_bytes'] / 1024:>8.1f} "
-              f"{r['wgmma']:>6}  {r['wgmma_waits']}", flush=True)
+    print(f"{'kernel and launch shape':<62} {'regs':>5} {'spill B':>8} {'smem KB':>8} {'wgmma':>6}  {'waits':<12} "
+          f"loops (SASS instructions)")
+    for name, r in [*gemm_rows(), *attention_rows(), *fp8_gemm_rows()]:
+        print(f"{name:<62} {r['registers']:>5} {r['spill_stack_bytes']:>8} {r['shared_bytes'] / 1024:>8.1f} "
+              f"{r['wgmma']:>6}  {r['wgmma_waits']:<12} {' '.join(str(n) for n, _ in r['loops'] if n > 20)}",
+              flush=True)
+        if name.startswith("attention decode"):   # the unmasked chunk loop (the second): what a 64-key chunk costs
+            big = [ops for n, ops in r["loops"] if n > 200]
+            if big:
+                print(f"{'':<62}   chunk loop: " + ", ".join(f"{op} {c}" for op, c in big[0].most_common(10)))
     return 0
 
 

@@ -1,0 +1,92 @@
+"""Prefill attention launch shapes on the GPU (issue #20's prefill target, >= 0.85x SDPA flash): the default
+launch against bit-neutral alternatives that bench/sm90_report.py screened without a GPU.
+
+Why: compiled for sm_90, the default prefill program (64 query rows on 4 warps) holds 255 registers and
+spills 664 bytes, 110 local loads and stores in every unmasked 64-key chunk (``sm90_report.py``); 64 rows on
+8 warps or 32 rows on 4 do not spill in that loop. Which is faster is a measurement.
+
+For each causal prefill (one sequence of L tokens, 64-key pages, bf16): every variant's output is compared
+bitwise with the default launch's (launch shapes never change the bits; a difference fails the run), then
+timed by CUDA-graph replay (``triton.testing.do_bench_cudagraph``), beside SDPA flash on contiguous K/V.
+
+    python3 bench/prefill_launch_gpu.py --json prefill_launch.json     # on the H200 (h200.sh prefill-launch)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from bench_cuda import paged_problem, sdpa_problem
+from hal.api import create_backend
+from hal.backends.cuda.launch import CUDA_LAUNCH
+from hal.kernels import attention
+
+# (query rows per program, warps, stages); block_q = rows / the padded GQA group
+VARIANTS = [(64, 4, 2), (64, 8, 2), (64, 8, 3), (32, 4, 2), (128, 8, 2)]
+CASES = [(512, 32, 8, 128), (2048, 32, 8, 128), (8192, 32, 8, 128), (16384, 32, 8, 128), (4096, 64, 8, 128),
+         (4096, 16, 8, 128), (4096, 32, 8, 64)]   # (L, query heads, KV heads, head dim)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", required=True)
+    args = ap.parse_args()
+    backend = create_backend("cuda")
+    spec = backend.contract.attention
+    rows_out, ok = [], True
+    for length, hq, hkv, d in CASES:
+        q, kc, vc, meta = paged_problem([length], [length], hq, hkv, d, 64)
+        group_pad = triton.next_power_of_2(hq // hkv)
+
+        def run(rows=None, warps=None, stages=None):
+            return attention.paged_attention(q, kc, vc, meta.query_start_loc, meta.seq_lens, meta.block_table,
+                                             d ** -0.5, spec, policy=CUDA_LAUNCH,
+                                             block_q=None if rows is None else max(1, rows // group_pad),
+                                             num_warps=warps, num_stages=stages)
+        base = run()
+        row = dict(length=length, hq=hq, hkv=hkv, d=d, us={}, identical={}, errors={})
+        for rows, warps, stages in VARIANTS:
+            name = f"{rows}r w{warps} s{stages}"
+            try:
+                out = run(rows, warps, stages)
+                torch.cuda.synchronize()
+                row["identical"][name] = torch.equal(out.view(torch.int16), base.view(torch.int16))
+                ok &= row["identical"][name]
+                row["us"][name] = triton.testing.do_bench_cudagraph(lambda: run(rows, warps, stages), rep=30,
+                                                                    return_mode="median") * 1000
+            except Exception as exc:  # noqa: BLE001 - reported, and the run fails
+                row["errors"][name] = str(exc).splitlines()[0][:200]
+                ok = False
+        qs, ks, vs = sdpa_problem(1, length, length, hq, hkv, d)
+
+        def sdpa():
+            with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+                return F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+        try:
+            row["us"]["sdpa_flash"] = triton.testing.do_bench_cudagraph(sdpa, rep=30, return_mode="median") * 1000
+        except Exception as exc:  # noqa: BLE001 - reported, not fatal: the variants still compare
+            row["errors"]["sdpa_flash"] = str(exc).splitlines()[0][:200]
+        rows_out.append(row)
+        print(f"L={length} {hq}/{hkv} d{d}: " + ", ".join(f"{n} {t:.0f}us" for n, t in row["us"].items())
+              + ("" if all(row["identical"].values()) else f"  DIFFER {row['identical']}")
+              + (f"  ERRORS {row['errors']}" if row["errors"] else ""), flush=True)
+    names = [f"{r} w{w} s{s}" for r, w, s in VARIANTS]
+    print(f"\n{'case':>22} " + " ".join(f"{n:>12}" for n in names) + f" {'sdpa':>8}   (SDPA flash time / variant)")
+    for r in rows_out:
+        sd = r["us"].get("sdpa_flash")
+        cells = [f"{sd / r['us'][n]:>12.2f}" if sd and n in r["us"] else f"{'-':>12}" for n in names]
+        print(f"{r['length']:>6} {r['hq']:>3}/{r['hkv']} d{r['d']:<4}      " + " ".join(cells)
+              + f" {sd if sd else float('nan'):>8.0f}")
+    with open(args.json, "w") as f:
+        json.dump(dict(device=torch.cuda.get_device_name(), variants=names, rows=rows_out, bitwise_ok=ok), f, indent=1)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
