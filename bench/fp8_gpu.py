@@ -318,12 +318,16 @@ def batch_section(device, small):
 def tile_candidates(m, n, k, quick, tma_ok):
     """The tuner's candidate set (``fp8_gemm.candidates``: the list ``hal tune`` times). The interpreter
     takes 16/32-row tiles (Hopper's fp8 wgmma needs 64) and has no warps, stages or descriptors, so only
-    its tiles and PAIR are varied there. --quick: every third candidate (it still varies each choice)."""
+    its tiles and PAIR are varied there. --quick: every third candidate (it still varies each choice), and
+    every launch of the Gluon kernel (sm90) the set holds."""
     if INTERPRET:
         tiles = [(bm, bn, 4, 1) for bm in (16, 32) for bn in (64, 128, 256)]
         return fp8_gemm.candidates(max(m, 65), n, k, G, False, tiles=tiles)
     configs = fp8_gemm.candidates(m, n, k, G, tma_ok, sm90=fp8_gemm_sm90.available(torch.device("cuda")))
-    return configs[::3] if quick else configs
+    if not quick:
+        return configs
+    # every third, and every Gluon launch (hal/kernels/fp8_gemm_sm90.py: its bits are only ever checked here)
+    return configs[::3] + [c for c in configs[1::3] + configs[2::3] if c.get("sm90")]
 
 
 def tiles_section(device, small, quick):

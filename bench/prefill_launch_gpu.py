@@ -75,7 +75,7 @@ def main() -> int:
         print(f"L={length} {hq}/{hkv} d{d}: " + ", ".join(f"{n} {t:.0f}us" for n, t in row["us"].items())
               + ("" if all(row["identical"].values()) else f"  DIFFER {row['identical']}")
               + (f"  ERRORS {row['errors']}" if row["errors"] else ""), flush=True)
-    names = [f"{r} w{w} s{s}" for r, w, s in VARIANTS]
+    names = [f"{r}r w{w} s{s}" for r, w, s in VARIANTS]
     print(f"\n{'case':>22} " + " ".join(f"{n:>12}" for n in names) + f" {'sdpa':>8}   (SDPA flash time / variant)")
     for r in rows_out:
         sd = r["us"].get("sdpa_flash")
