@@ -8,20 +8,27 @@ group to finish: each block's MMAs and its add run one after the other, and the 
 during the add (bench/results/h200-2026-12-04-session17: ~30 % of the time at large M; an ordinary
 fp8 GEMM at the same tiles runs at cuBLAS's speed). Triton 3.6 cannot express "issue block k's MMAs,
 then add block k-1's partial while they run" (LAG, which tried it with two dots, gave other bits on
-the H200). Gluon exposes the asynchronous wgmma and its wait, so this kernel does exactly that:
+the H200). Gluon exposes the asynchronous wgmma and its wait, so this kernel does that, UNROLL (2)
+blocks a step:
 
-  for each K block k (ascending):
-      part_k = wgmma(x_k, w_k^T) from zero, issued asynchronously     # the same MMA chain as tl.dot
-      wait until only part_k is in flight                              # part_{k-1} is complete
-      acc = fl32(acc + fl32(part_{k-1} * fl32(a_scale_{k-1} * w_scale_{k-1})))
-      refill the shared-memory stage block k-1 used (TMA) with block k + STAGES - 1
-  wait for the last partial; add it; bias in fp32; one rounding.
+  for each step of blocks k, k+1 (ascending):
+      part_k   = wgmma(x_k, w_k^T) from zero, issued asynchronously    # the same MMA chain as tl.dot
+      part_k+1 = the same for block k+1, issued behind it
+      wait until only part_k+1 is in flight; acc = fl32(acc + fl32(part_k * fl32(a_scale_k * w_scale_k)))
+      refill block k's shared-memory stage (TMA) with block k + STAGES
+      wait for part_k+1; add it the same way; refill its stage
+  the blocks left over one at a time; bias in fp32; one rounding.
+
+Only the first add of a step runs under MMAs: carrying a partial in flight into the next step made ptxas
+serialise every wgmma (below). Measured on an H100 (bench/results/h100-2026-12-06-fp8sm90-prefill/): the
+same bits as the Triton kernel in every cell, the overlap worth 6-11 %, 0.62-1.33x the Triton kernel's
+default launch depending on the shape, so it is one more launch for the tuner, not the default.
 
 The arithmetic is the Triton kernel's, operation for operation: the same fp8 wgmma chain per block
 (one 128-deep K block = four k32 instructions, accumulated from zero), the same scale product, the same
 ascending adds without FMA (``LAUNCH``); only *when* the add runs changes. So the bits are the Triton
-kernel's, and the GPU check (bench/fp8_gpu.py, section ``tiles``: every candidate, this kernel's
-included, against one launch) is what proves it; the tuner checks it again before it picks a launch.
+kernel's, and the GPU checks (bench/fp8_sm90_gpu.py; bench/fp8_gpu.py's ``tiles``: every candidate, this
+kernel's included, against one launch) are what prove it; the tuner checks it again before it picks a launch.
 
 Scope: tiles of BLOCK_M = 64 x warpgroups rows and BLOCK_N <= 128 columns inside one weight block (one
 weight scale per block and tile), operands by tensor descriptor (K-major rows, 16-byte aligned), e4m3.
@@ -126,10 +133,8 @@ if HAVE_GLUON:
         for pre in gl.static_range(STAGES):
             load = pre < blocks
             mbarrier.expect(ready.index(pre), stage_bytes, pred=load)
-            _tma_load(x_desc, [off_m, pre * GROUP], ready.index(pre), x_smem.index(pre),
-                                            pred=load)
-            _tma_load(w_desc, [off_n, pre * GROUP], ready.index(pre), w_smem.index(pre),
-                                            pred=load)
+            _tma_load(x_desc, [off_m, pre * GROUP], ready.index(pre), x_smem.index(pre), pred=load)
+            _tma_load(w_desc, [off_n, pre * GROUP], ready.index(pre), w_smem.index(pre), pred=load)
 
         zero = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
         acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
