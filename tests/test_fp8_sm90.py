@@ -5,7 +5,8 @@ the H200 against the Triton kernel (bench/fp8_sm90_gpu.py, bench/fp8_gpu.py's ti
 check is what can break without a GPU:
   * it is offered only where it can run, and a launch that asks for it elsewhere is an error, never a
     silent fallback to the other kernel;
-  * its schedule survives compilation: compiled for sm_90 here, the PTX waits for one outstanding wgmma group
+  * its schedule survives compilation: compiled for sm_90 here (tests/sm90_offline.py, in a subprocess with
+    the interpreter off), the PTX waits for one outstanding wgmma group
     (a block's scaled add overlaps the next block's MMAs), ptxas does not serialise the wgmmas (its C7514
     warning, which a register copy of an in-flight accumulator triggers) and nothing spills. Negative
     controls: the one-block-at-a-time launch (unroll 1) has no such wait, and a kernel that carries an
@@ -13,6 +14,11 @@ check is what can break without a GPU:
 """
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -47,56 +53,32 @@ def test_launch_shape_rule(cfg):
     assert not fp8_gemm_sm90.config_ok(dict(cfg, BLOCK_N=256), 128)                  # inside one weight block
 
 
+@pytest.fixture(scope="module")
+def compiled_reports():
+    """tests/sm90_offline.py's reports, compiled in a subprocess with the interpreter off (its docstring says
+    why); its failure fails every test that uses it, with its output."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = os.path.join(os.path.dirname(__file__), "sm90_offline.py")
+    done = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 @needs_gluon
-@pytest.mark.parametrize("cfg", [DEFAULT, dict(DEFAULT, BLOCK_M=64, num_warps=4)], ids=["128x128", "64x128"])
-def test_compiled_schedule_overlaps_and_is_not_serialised(cfg):
-    report = fp8_gemm_sm90.ptxas_report(fp8_gemm_sm90.compile_offline(cfg, has_bias=True))
+@pytest.mark.parametrize("case", ["128x128", "64x128"])
+def test_compiled_schedule_overlaps_and_is_not_serialised(compiled_reports, case):
+    report = compiled_reports[case]
     assert 1 in report["waits"], report                  # a block's add runs while the next block's MMAs do
     assert not report["serialised"] and not report["injected_wait"], report["ptxas_info"]
     assert report["spill_bytes"] == 0, report
 
 
 @needs_gluon
-def test_negative_control_unroll_1_has_no_overlap():
-    report = fp8_gemm_sm90.ptxas_report(fp8_gemm_sm90.compile_offline(dict(DEFAULT, unroll=1)))
+def test_negative_control_unroll_1_has_no_overlap(compiled_reports):
+    report = compiled_reports["unroll 1"]
     assert report["waits"] and 1 not in report["waits"], report
 
 
-if fp8_gemm_sm90.HAVE_GLUON:
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
-
-    @gluon.jit
-    def _carried_in_flight_kernel(x_desc, w_desc, xs_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K,
-                                  stride_xsm, stride_xsk, stride_wsn, stride_wsk, stride_om, stride_on,
-                                  GROUP: gl.constexpr, HAS_BIAS: gl.constexpr, OUT_BF16: gl.constexpr,
-                                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
-                                  STAGES: gl.constexpr, UNROLL: gl.constexpr, num_warps: gl.constexpr):
-        """The schedule the real kernel avoids: a partial still in flight carried through the loop's back
-        edge (the loop-carried value becomes a register copy of in-flight accumulator registers)."""
-        layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                         instr_shape=[16, BLOCK_N, 32])
-        x_smem = gl.allocate_shared_memory(x_desc.dtype, [BLOCK_M, GROUP], x_desc.layout)
-        w_smem = gl.allocate_shared_memory(w_desc.dtype, [BLOCK_N, GROUP], w_desc.layout)
-        bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        mbarrier.init(bar, count=1)
-        zero = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=layout)
-        acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=layout)
-        prev = warpgroup_mma(x_smem, w_smem.permute((1, 0)), zero, use_acc=False, is_async=True)
-        for _ in range(1, K // GROUP):
-            part = warpgroup_mma(x_smem, w_smem.permute((1, 0)), zero, use_acc=False, is_async=True)
-            done = warpgroup_mma_wait(num_outstanding=1, deps=(prev, ))
-            acc = acc + done
-            prev = part
-        done = warpgroup_mma_wait(num_outstanding=0, deps=(prev, ))
-        acc = acc + done
-        rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
-        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
-        gl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(gl.bfloat16))
-
-
 @needs_gluon
-def test_negative_control_in_flight_accumulator_copy_is_reported_serialised():
-    compiled = fp8_gemm_sm90.compile_offline(DEFAULT, kernel=_carried_in_flight_kernel)
-    assert fp8_gemm_sm90.ptxas_report(compiled)["serialised"]
+def test_negative_control_in_flight_accumulator_copy_is_reported_serialised(compiled_reports):
+    assert compiled_reports["carried in flight"]["serialised"], compiled_reports["carried in flight"]
