@@ -5,8 +5,8 @@ tests/test_fp8_sm90.py runs it as a subprocess: Gluon kernels must be compiled w
 (with TRITON_INTERPRET=1 Triton's own jit library functions, such as ``cdiv`` and ``zeros``, become interpreter
 objects that Gluon's code generator cannot call), and the test session runs with it on.
 
-Cases: the default launch (128x128, two warpgroups) and one warpgroup (64x128), both with a bias; the
-one-block-at-a-time launch (unroll 1, a negative control: no wait for one outstanding group); and
+Cases: every launch of ``fp8_gemm._SM90_TILES`` (the tuner's Gluon candidates) with a bias, and 128x128 with
+fp32 output; the one-block-at-a-time launch (unroll 1, a negative control: no wait for one outstanding group); and
 ``_carried_in_flight_kernel`` (a negative control: a partial carried in flight through a loop's back edge,
 which ptxas must report as serialising the wgmmas).
 """
@@ -26,7 +26,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 
 from hal.kernels import fp8_gemm_sm90  # noqa: E402
 
-DEFAULT = dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=4, unroll=2)
+DEFAULT = dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=4, unroll=3)
 
 
 @gluon.jit
@@ -60,11 +60,16 @@ def _carried_in_flight_kernel(x_desc, w_desc, xs_ptr, ws_ptr, bias_ptr, out_ptr,
 
 
 def main() -> int:
+    from hal.kernels import fp8_gemm
+
     compile_ = fp8_gemm_sm90.compile_offline
-    cases = {"128x128": compile_(DEFAULT, has_bias=True),
-             "64x128": compile_(dict(DEFAULT, BLOCK_M=64, num_warps=4), has_bias=True),
-             "unroll 1": compile_(dict(DEFAULT, unroll=1)),
-             "carried in flight": compile_(DEFAULT, kernel=_carried_in_flight_kernel)}
+    cases = {}
+    for bm, bn, warps, stages, unroll in fp8_gemm._SM90_TILES:     # every launch the tuner is offered
+        cfg = dict(BLOCK_M=bm, BLOCK_N=bn, GROUP_M=8, num_warps=warps, num_stages=stages, unroll=unroll)
+        cases[f"candidate {bm}x{bn} w{warps} s{stages} u{unroll}"] = compile_(cfg, has_bias=True)
+    cases["fp32 out"] = compile_(DEFAULT, out_bf16=False)
+    cases["unroll 1"] = compile_(dict(DEFAULT, unroll=1))
+    cases["carried in flight"] = compile_(DEFAULT, kernel=_carried_in_flight_kernel)
     print(json.dumps({name: fp8_gemm_sm90.ptxas_report(compiled) for name, compiled in cases.items()}))
     return 0
 

@@ -285,9 +285,12 @@ _PAIR_ACC_PER_THREAD = 64    # fp32 accumulator values per thread up to which PA
 _HALVES_MIN_N = 128          # HALVES (two half-width MMAs and partials) for tiles at least this wide, above 64 rows
 
 
-# The Gluon kernel's launches (hal/kernels/fp8_gemm_sm90.py; BLOCK_M, BLOCK_N, warps, stages), offered above 64
-# rows on a Hopper GPU, where the operands allow descriptors.
-_SM90_TILES = [(128, 128, 8, 3), (128, 128, 8, 4), (64, 128, 4, 4), (64, 128, 4, 6), (128, 64, 8, 4), (128, 64, 8, 6)]
+# The Gluon kernel's launches (hal/kernels/fp8_gemm_sm90.py; BLOCK_M, BLOCK_N, warps, stages, K blocks a step),
+# offered above 64 rows on a Hopper GPU, where the operands allow descriptors. Blocks a step: as many as the
+# registers hold without spilling (three at 128 columns and 4 stages, four at 64 columns); on an H100 three
+# were 2-11 % faster than two at 128x128 (bench/results/h100-2026-12-06-fp8sm90-prefill/unroll/).
+_SM90_TILES = [(128, 128, 8, 3, 2), (128, 128, 8, 4, 3), (64, 128, 4, 4, 3), (64, 128, 4, 6, 2), (128, 64, 8, 4, 4),
+               (128, 64, 8, 6, 4)]
 
 
 def candidates(m: int, n: int, k: int, group: int, tma_ok: bool, tiles=None, sm90: bool = False) -> list[dict]:
@@ -313,10 +316,10 @@ def candidates(m: int, n: int, k: int, group: int, tma_ok: bool, tiles=None, sm9
                 out.append(dict(BLOCK_M=bm, BLOCK_N=bn, GROUP_M=8, num_warps=warps, num_stages=stages, tma=tma,
                                 pair=False, halves=True))
     if sm90 and tma_ok and m > 64:
-        for bm, bn, warps, stages in _SM90_TILES:
+        for bm, bn, warps, stages, unroll in _SM90_TILES:
             if group % bn == 0 and (bm + bn) * group * stages <= _SHARED_BYTES:
                 out.append(dict(BLOCK_M=bm, BLOCK_N=bn, GROUP_M=8, num_warps=warps, num_stages=stages, tma=True,
-                                pair=False, halves=False, sm90=True, unroll=2))
+                                pair=False, halves=False, sm90=True, unroll=unroll))
     return out
 
 

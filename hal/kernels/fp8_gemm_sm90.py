@@ -8,8 +8,8 @@ group to finish: each block's MMAs and its add run one after the other, and the 
 during the add (bench/results/h200-2026-12-04-session17: ~30 % of the time at large M; an ordinary
 fp8 GEMM at the same tiles runs at cuBLAS's speed). Triton 3.6 cannot express "issue block k's MMAs,
 then add block k-1's partial while they run" (LAG, which tried it with two dots, gave other bits on
-the H200). Gluon exposes the asynchronous wgmma and its wait, so this kernel does that, UNROLL (2)
-blocks a step:
+the H200). Gluon exposes the asynchronous wgmma and its wait, so this kernel does that, UNROLL (2-4, a
+launch choice) blocks a step; with two:
 
   for each step of blocks k, k+1 (ascending):
       part_k   = wgmma(x_k, w_k^T) from zero, issued asynchronously    # the same MMA chain as tl.dot
@@ -19,10 +19,11 @@ blocks a step:
       wait for part_k+1; add it the same way; refill its stage
   the blocks left over one at a time; bias in fp32; one rounding.
 
-Only the first add of a step runs under MMAs: carrying a partial in flight into the next step made ptxas
-serialise every wgmma (below). Measured on an H100 (bench/results/h100-2026-12-06-fp8sm90-prefill/): the
-same bits as the Triton kernel in every cell, the overlap worth 6-11 %, 0.62-1.33x the Triton kernel's
-default launch depending on the shape, so it is one more launch for the tuner, not the default.
+The last add of a step runs with the tensor cores idle: carrying a partial in flight into the next step
+made ptxas serialise every wgmma (below). Measured on an H100 (bench/results/h100-2026-12-06-fp8sm90-prefill/):
+the same bits as the Triton kernel in every cell, the overlap worth 6-11 % (three blocks a step another
+2-11 %), 0.62-1.33x the Triton kernel's default launch depending on the shape, so it is one more launch for
+the tuner, not the default.
 
 The arithmetic is the Triton kernel's, operation for operation: the same fp8 wgmma chain per block
 (one 128-deep K block = four k32 instructions, accumulated from zero), the same scale product, the same
@@ -63,12 +64,12 @@ def available(device: torch.device) -> bool:
 
 if HAVE_GLUON:
     @gluon.jit
-    def _issue(x_smem, w_smem, ready, kb, STAGES: gl.constexpr, registers):
-        """Block kb's partial, from zero (use_acc=False: ``registers``' values are not read, only their
-        registers reused), issued asynchronously once its stage has arrived."""
+    def _issue(x_smem, w_smem, ready, kb, STAGES: gl.constexpr, zero):
+        """Block kb's partial, from zero (use_acc=False: ``zero`` gives the accumulator's shape and layout;
+        its values are not read), issued asynchronously once its stage has arrived."""
         s = kb % STAGES
         mbarrier.wait(ready.index(s), (kb // STAGES) & 1)
-        return warpgroup_mma(x_smem.index(s), w_smem.index(s).permute((1, 0)), registers, use_acc=False,
+        return warpgroup_mma(x_smem.index(s), w_smem.index(s).permute((1, 0)), zero, use_acc=False,
                              is_async=True)
 
     @gluon.jit
@@ -146,27 +147,18 @@ if HAVE_GLUON:
         # partial is waited for and added. Nothing is in flight across a step's end (the last block of a
         # step is waited for with 0 outstanding): a partial carried in flight through the loop's back
         # edge becomes a register copy of an in-flight accumulator, for which ptxas serialises every
-        # wgmma of the kernel (its C7514 warning). Each MMA takes the registers of the partial it replaces
-        # as its ignored (use_acc=False) input.
-        regs_a = zero
-        regs_b = zero
+        # wgmma of the kernel (its C7514 warning). How many blocks a step takes is bounded by registers:
+        # two partials and the accumulator are live at once (tests/test_fp8_sm90.py: no spills).
         for step in range(0, blocks // UNROLL):
             first = step * UNROLL
-            part = _issue(x_smem, w_smem, ready, first, STAGES, regs_a)
+            part = _issue(x_smem, w_smem, ready, first, STAGES, zero)
             for j in gl.static_range(1, UNROLL):
-                if j % 2 == 1:
-                    nxt = _issue(x_smem, w_smem, ready, first + j, STAGES, regs_b)
-                else:
-                    nxt = _issue(x_smem, w_smem, ready, first + j, STAGES, regs_a)
+                nxt = _issue(x_smem, w_smem, ready, first + j, STAGES, zero)
                 done, nxt = warpgroup_mma_wait(num_outstanding=1, deps=(part, nxt))
                 acc = _scaled_add(acc, done, xs_ptr, ws_row, offs_m, m_ok, first + j - 1, stride_xsm, stride_xsk,
                                   stride_wsk)
                 _refill(x_desc, w_desc, x_smem, w_smem, ready, first + j - 1, blocks, off_m, off_n, GROUP, STAGES,
                         stage_bytes)
-                if j % 2 == 1:
-                    regs_a = done
-                else:
-                    regs_b = done
                 part = nxt
             done = warpgroup_mma_wait(num_outstanding=0, deps=(part, ))
             acc = _scaled_add(acc, done, xs_ptr, ws_row, offs_m, m_ok, first + UNROLL - 1, stride_xsm, stride_xsk,
