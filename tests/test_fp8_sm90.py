@@ -1,17 +1,16 @@
 """The Gluon block-FP8 GEMM for Hopper (hal/kernels/fp8_gemm_sm90.py), on a machine without a GPU.
 
-Gluon kernels do not run under Triton's interpreter, so CI cannot execute this one; its bits are checked on
-the H200 against the Triton kernel (bench/fp8_sm90_gpu.py, bench/fp8_gpu.py's tiles section). What CI does
+Gluon kernels do not run under Triton's interpreter, so CI cannot execute this one; its bits are checked on a
+Hopper GPU against the Triton kernel (bench/fp8_sm90_gpu.py, bench/fp8_gpu.py's tiles section). What CI does
 check is what can break without a GPU:
   * it is offered only where it can run, and a launch that asks for it elsewhere is an error, never a
     silent fallback to the other kernel;
   * its schedule survives compilation: compiled for sm_90 here (tests/sm90_offline.py, in a subprocess with
-    the interpreter off), the PTX waits for one outstanding wgmma group
-    (a block's scaled add overlaps the next block's MMAs) and ptxas does not serialise the wgmmas (its C7514
-    warning, which a register copy of an in-flight accumulator triggers), for every launch the tuner is
-    offered. Negative
-    controls: the one-block-at-a-time launch (unroll 1) has no such wait, and a kernel that carries an
-    in-flight accumulator through a loop's back edge is reported as serialised.
+    the interpreter off), for every launch the tuner is offered, the PTX waits for one outstanding wgmma
+    group (a block's scaled add overlaps the next block's MMAs) and ptxas does not serialise the wgmmas
+    (its C7514 warning, which a register copy of an in-flight accumulator triggers). Negative controls: the
+    one-block-at-a-time launch (unroll 1) has no such wait, and a kernel that carries an in-flight
+    accumulator through a loop's back edge is reported as serialised.
 """
 
 from __future__ import annotations
