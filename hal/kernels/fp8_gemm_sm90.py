@@ -49,7 +49,7 @@ try:    # Triton >= 3.5 ships Gluon; without it (or under the interpreter) this 
     # The TMA load's name: Triton 3.6 (the H200's) has async_copy_global_to_shared, later releases async_load.
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     HAVE_GLUON = True
-except ImportError:   # pragma: no cover - depends on the Triton build
+except (ImportError, AttributeError):   # pragma: no cover - a Triton build without Gluon, or another Gluon API
     HAVE_GLUON = False
 
 from hal.kernels.common import INTERPRET
