@@ -5,8 +5,8 @@ Sections (``--only``), each printing a table; every number goes to --json:
 
   bits    every Gluon launch of ``LAUNCHES`` == the Triton kernel's own launch (``fp8_gemm.gemm``, untuned),
           bitwise (torch.equal on the raw bits), on shapes that cross every edge: M not a multiple of the
-          tile (1, 5, 100, 257, 1000), N not a multiple of 128 (a partial last weight block: 200, 2112), one
-          to many K blocks, odd and even block counts (the kernel's two-block steps and its one-block tail),
+          tile (1, 100, 257, 1000), N not a multiple of 128 (a partial last weight block: 200, 2112), one
+          to many K blocks, block counts that leave a tail after the kernel's steps of 2-4 blocks and ones that do not,
           bias, bf16 and fp32 out. Inputs of wide dynamic range (``fp8_gpu.activations``).
   speed   device time (``triton.testing.do_bench``, median, L2 flushed) of the Triton kernel's own launch,
           each Gluon launch, ``torch._scaled_mm`` with 1x128 / 128x128 block scales (cuBLAS) and cuBLAS bf16,
@@ -147,7 +147,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", required=True)
     ap.add_argument("--only", default="bits,speed")
-    ap.add_argument("--quick", action="store_true", help="three speed shapes at M = 1024 and 8192")
+    ap.add_argument("--quick", action="store_true", help="three speed shapes at M = 1024 and 8192 only")
     args = ap.parse_args()
     device = torch.device("cuda")
     if not fp8_gemm_sm90.available(device):
