@@ -28,7 +28,7 @@ import torch
 import triton
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
-from fp8_gpu import CUDA_LAUNCH_UNTUNED, SPEC, activations, bits, layer, speed_weight  # noqa: E402
+from fp8_gpu import CUDA_LAUNCH_UNTUNED, SPEC, activations, bench_ms, bits, layer, speed_weight  # noqa: E402
 
 from hal.kernels import fp8_gemm, fp8_gemm_sm90  # noqa: E402
 
@@ -89,10 +89,6 @@ def bits_section(device) -> tuple[list, bool]:
     return rows, ok
 
 
-def bench_us(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1000
-
-
 def speed_section(device, shapes, ms) -> list:
     rows = []
     bf16 = torch.bfloat16
@@ -115,7 +111,7 @@ def speed_section(device, shapes, ms) -> list:
                 try:
                     fn()
                     torch.cuda.synchronize()
-                    row["us"][name] = bench_us(fn)
+                    row["us"][name] = bench_ms(fn) * 1000
                 except Exception as exc:  # noqa: BLE001 - a comparator this torch lacks: n/a, with why
                     row["na"][name] = str(exc).splitlines()[0][:200]
             us = row["us"]

@@ -27,29 +27,12 @@ import sys
 import tempfile
 
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 from hal.contract import load_contract
 from hal.kernels import attention, gemm
+from hal.kernels.offline import compile_for_hopper
 
-HOPPER = GPUTarget("cuda", 90, 32)
 TOOLS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-
-
-def compile_for_hopper(kernel, types: dict, constants: dict, num_warps: int, num_stages: int, not16=()):
-    """types: argument name -> Triton type string, for every non-constexpr argument."""
-    signature, attrs = {}, {}
-    for index, name in enumerate(kernel.arg_names):
-        if name in constants:
-            signature[name] = "constexpr"
-            continue
-        signature[name] = types[name]
-        if name not in not16 and not types[name].startswith(("fp", "tensordesc")):
-            attrs[(index,)] = [["tt.divisibility", 16]]
-    source = ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs)
-    return triton.compile(source, target=HOPPER, options=dict(num_warps=num_warps, num_stages=num_stages,
-                                                              enable_fp_fusion=False))
 
 
 def loop_sizes(sass: str) -> list[tuple[int, collections.Counter]]:

@@ -203,9 +203,7 @@ def compile_offline(cfg: dict, group: int = 128, has_bias: bool = False, out_bf1
     """The kernel (or ``kernel``, with the same arguments) compiled for Hopper on any machine (no GPU needed),
     with the argument properties real calls have (16-byte aligned pointers, strides and sizes that are
     multiples of 16 except M and the scales' K strides). CI uses it to check the schedule (tests/test_fp8_sm90.py)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
+    from hal.kernels.offline import compile_for_hopper
 
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     x_layout = gl.NVMMASharedLayout.get_default_for([bm, group], gl.float8e4nv)
@@ -218,18 +216,8 @@ def compile_offline(cfg: dict, group: int = 128, has_bias: bool = False, out_bf1
     constants = dict(GROUP=group, HAS_BIAS=has_bias, OUT_BF16=out_bf16, BLOCK_M=bm, BLOCK_N=bn,
                      GROUP_M=cfg["GROUP_M"], STAGES=cfg["num_stages"], UNROLL=cfg.get("unroll", 2),
                      num_warps=cfg["num_warps"])
-    kernel = kernel or _fp8_gemm_sm90_kernel
-    signature, attrs = {}, {}
-    for index, name in enumerate(kernel.arg_names):
-        if name in constants:
-            signature[name] = "constexpr"
-            continue
-        signature[name] = types[name]
-        if name not in ("M", "stride_xsk", "stride_wsk", "stride_on") and not types[name].startswith(("fp", "tensordesc")):
-            attrs[(index,)] = [["tt.divisibility", 16]]
-    source = GluonASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], enable_fp_fusion=False))
+    return compile_for_hopper(kernel or _fp8_gemm_sm90_kernel, types, constants, cfg["num_warps"], cfg["num_stages"],
+                              not16=("M", "stride_xsk", "stride_wsk", "stride_on"), gluon=True)
 
 
 def ptxas_report(compiled) -> dict:
