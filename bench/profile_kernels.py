@@ -47,7 +47,20 @@ CASES = {
     # issue #22: the FP8 KV cache reads half the bytes but is no faster than the bf16 one
     "decode_fp8_b64_8k": "decode B=64 ctx=8192, 32/8 heads, 16-key pages: ours over a bf16 cache and over the "
                          "contract's FP8 cache (per token-head scales) vs SDPA",
+    # issue #22: the block-FP8 GEMM at large M: the Triton kernel's default launch, the Gluon kernels (one block at
+    # a time and overlapped; warp-specialised), cuBLAS's block-scaled GEMM
+    "fp8_gemm_m8192": "block-FP8 GEMM M=8192 N=4096 K=4096: ours (Triton default, Gluon u1 / u3, Gluon ws 128 / 256 "
+                      "columns) vs "
+                      "torch._scaled_mm blockwise",
+    "fp8_gemm_m8192_k1536": "block-FP8 GEMM M=8192 N=24576 K=1536: ours (Triton default, Gluon ws) vs "
+                            "torch._scaled_mm blockwise",
 }
+FP8_GEMMS = {"fp8_gemm_m8192": ((8192, 4096, 4096), ["triton", "gl_u1", "gl_u3", "gl_ws", "gl_ws_wide"]),
+             "fp8_gemm_m8192_k1536": ((8192, 24576, 1536), ["triton", "gl_ws"])}
+FP8_LAUNCHES = {"gl_u1": dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=4, unroll=1),
+                "gl_u3": dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=4, unroll=3),
+                "gl_ws": dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=4, unroll=2, ws=True),
+                "gl_ws_wide": dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=8, num_warps=4, num_stages=4, unroll=1, ws=True)}
 GEMMS = {"gemm_m256": (256, 4096, 4096), "gemm_m1024": (1024, 14336, 4096), "gemm_m8192": (8192, 4096, 4096),
          "gemm_m128_k12288": (128, 4096, 12288), "gemm_m512_n6144": (512, 6144, 4096)}
 # decode: (batch, context, query heads, KV heads, [(layout, page size)]); the first layout is built, others relaid
@@ -82,6 +95,23 @@ def build(case: str):
             with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
                 return F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
         return [("ours", lambda: backend.attention(q, kc, vc, meta, scale=d ** -0.5)), ("sdpa_flash", flash)]
+    if case in FP8_GEMMS:
+        from fp8_gpu import CUDA_LAUNCH_UNTUNED, SPEC, speed_weight
+
+        from hal.kernels import fp8_gemm
+        (m, n, k), labels = FP8_GEMMS[case]
+        w = speed_weight(n, k, seed=7, device="cuda")
+        xq, xs = fp8_gemm.quantise_activations(torch.randn(m, k, device="cuda").bfloat16(), SPEC)
+        xs_col = xs.t().contiguous().t()
+
+        def ours(label):
+            cfg = (fp8_gemm._config(m, n) if label == "triton"
+                   else dict(FP8_LAUNCHES[label], tma=True, pair=False, halves=False, sm90=True))
+            return lambda: fp8_gemm.gemm(xq, xs, w["wq"], w["ws"], None, torch.bfloat16, SPEC, cfg,
+                                         policy=CUDA_LAUNCH_UNTUNED)
+        return [(label, ours(label)) for label in labels] + [
+            ("cublas_block", lambda: torch._scaled_mm(xq, w["wq"].t(), scale_a=xs_col, scale_b=w["ws"].t(),
+                                                      out_dtype=torch.bfloat16))]
     if case == "decode_fp8_b64_8k":
         q, kc, vc, meta = paged_problem([8192] * 64, [1] * 64, hq, hkv, d, 16)
         fp8_backend = create_backend("cuda", "bf16-fp8-v1")
@@ -126,7 +156,8 @@ def child(case: str) -> int:
     return 0
 
 
-OUR_MAIN_KERNELS = ("_gemm_kernel", "_attention_kernel")  # each call of ours starts with one of these
+OUR_MAIN_KERNELS = ("_gemm_kernel", "_attention_kernel", "_fp8_gemm_kernel", "_fp8_gemm_sm90_kernel",
+                    "_fp8_gemm_ws_kernel")  # each call of ours starts with one of these
 OUR_KERNELS = OUR_MAIN_KERNELS + ("_merge_kernel", "_combine_kernel")
 
 

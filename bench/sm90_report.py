@@ -146,13 +146,13 @@ def fp8_gemm_rows():
     for 1 outstanding group; ``serialised`` is ptxas's C7514 (every wgmma of the kernel serialised)."""
     from hal.kernels import fp8_gemm, fp8_gemm_sm90
 
-    for bm, bn, warps, stages, unroll in fp8_gemm._SM90_TILES:
-        cfg = dict(BLOCK_M=bm, BLOCK_N=bn, GROUP_M=8, num_warps=warps, num_stages=stages, unroll=unroll)
+    for bm, bn, warps, stages, unroll, ws in fp8_gemm._SM90_TILES:
+        cfg = dict(BLOCK_M=bm, BLOCK_N=bn, GROUP_M=8, num_warps=warps, num_stages=stages, unroll=unroll, ws=ws)
         compiled = fp8_gemm_sm90.compile_offline(cfg)
         ptxas = fp8_gemm_sm90.ptxas_report(compiled)
         row = report(compiled)
         row["wgmma_waits"] += " serialised" if ptxas["serialised"] else ""
-        yield f"fp8 gemm sm90 (Gluon) {bm}x{bn} w{warps} s{stages} u{unroll}", row
+        yield f"fp8 gemm sm90 (Gluon{' ws' if ws else ''}) {bm}x{bn} w{warps} s{stages} u{unroll}", row
 
 
 def main() -> int:

@@ -5,8 +5,9 @@ tests/test_fp8_sm90.py runs it as a subprocess: Gluon kernels must be compiled w
 (with TRITON_INTERPRET=1 Triton's own jit library functions, such as ``cdiv`` and ``zeros``, become interpreter
 objects that Gluon's code generator cannot call), and the test session runs with it on.
 
-Cases: every launch of ``fp8_gemm._SM90_TILES`` (the tuner's Gluon candidates) with a bias, and 128x128 with
-fp32 output; the one-block-at-a-time launch (unroll 1, a negative control: no wait for one outstanding group); and
+Cases: every launch of ``fp8_gemm._SM90_TILES`` (the tuner's Gluon candidates, the warp-specialised kernel's
+included) with a bias, and 128x128 with fp32 output; the one-block-at-a-time launches of both kernels (unroll 1,
+negative controls: no wait for one outstanding group); and
 ``_carried_in_flight_kernel`` (a negative control: a partial carried in flight through a loop's back edge,
 which ptxas must report as serialising the wgmmas).
 """
@@ -64,11 +65,12 @@ def main() -> int:
 
     compile_ = fp8_gemm_sm90.compile_offline
     cases = {}
-    for bm, bn, warps, stages, unroll in fp8_gemm._SM90_TILES:     # every launch the tuner is offered
-        cfg = dict(BLOCK_M=bm, BLOCK_N=bn, GROUP_M=8, num_warps=warps, num_stages=stages, unroll=unroll)
-        cases[f"candidate {bm}x{bn} w{warps} s{stages} u{unroll}"] = compile_(cfg, has_bias=True)
+    for bm, bn, warps, stages, unroll, ws in fp8_gemm._SM90_TILES:     # every launch the tuner is offered
+        cfg = dict(BLOCK_M=bm, BLOCK_N=bn, GROUP_M=8, num_warps=warps, num_stages=stages, unroll=unroll, ws=ws)
+        cases[f"candidate {'ws ' if ws else ''}{bm}x{bn} w{warps} s{stages} u{unroll}"] = compile_(cfg, has_bias=True)
     cases["fp32 out"] = compile_(DEFAULT, out_bf16=False)
     cases["unroll 1"] = compile_(dict(DEFAULT, unroll=1))
+    cases["ws unroll 1"] = compile_(dict(fp8_gemm._WS_DEFAULT, unroll=1))
     cases["carried in flight"] = compile_(DEFAULT, kernel=_carried_in_flight_kernel)
     print(json.dumps({name: fp8_gemm_sm90.ptxas_report(compiled) for name, compiled in cases.items()}))
     return 0

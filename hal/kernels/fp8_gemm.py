@@ -284,12 +284,24 @@ _PAIR_ACC_PER_THREAD = 64    # fp32 accumulator values per thread up to which PA
 _HALVES_MIN_N = 128          # HALVES (two half-width MMAs and partials) for tiles at least this wide, above 64 rows
 
 
-# The Gluon kernel's launches (hal/kernels/fp8_gemm_sm90.py; BLOCK_M, BLOCK_N, warps, stages, K blocks a step),
-# offered above 64 rows on a Hopper GPU, where the operands allow descriptors. Blocks a step: as many as the
-# registers hold without spilling (three at 128 columns and 4 stages, four at 64 columns); on an H100 three
-# were 2-11 % faster than two at 128x128 (bench/results/h100-2026-12-06-fp8sm90-prefill/unroll/).
-_SM90_TILES = [(128, 128, 8, 3, 2), (128, 128, 8, 4, 3), (64, 128, 4, 4, 3), (64, 128, 4, 6, 2), (128, 64, 8, 4, 4),
-               (128, 64, 8, 6, 4)]
+# The Gluon kernels' launches (hal/kernels/fp8_gemm_sm90.py; BLOCK_M, BLOCK_N, warps, stages, K blocks a step,
+# warp-specialised), offered above 64 rows on a Hopper GPU, where the operands allow descriptors. Blocks a step:
+# as many as the registers hold without spilling (three at 128 columns and 4 stages, four at 64 columns); on an
+# H100 three were 2-11 % faster than two at 128x128 (bench/results/h100-2026-12-06-fp8sm90-prefill/unroll/).
+# The warp-specialised, persistent kernel (ws: a loader warp, a partition per math warpgroup) was 1.10-1.29x the
+# Triton kernel's default launch at M >= 4096 there (bench/results/h100-2026-12-06-ws/); its 256-column tile (two
+# weight blocks, one half at a time, so no overlap inside a warpgroup) reads a sixth less from L2 and was 2-3 %
+# faster on 4096 x 4096, slower elsewhere: one more candidate.
+_SM90_TILES = [(128, 128, 8, 3, 2, False), (128, 128, 8, 4, 3, False), (64, 128, 4, 4, 3, False),
+               (64, 128, 4, 6, 2, False), (128, 64, 8, 4, 4, False), (128, 64, 8, 6, 4, False),
+               (128, 128, 4, 4, 2, True), (128, 128, 4, 6, 2, True), (128, 128, 4, 4, 3, True),
+               (128, 128, 4, 6, 3, True), (128, 256, 4, 4, 1, True)]
+# On a Hopper GPU the kernel's own launch from this many rows on is the warp-specialised Gluon kernel (the same
+# bits: bench/fp8_sm90_gpu.py checks them); below it, and where Gluon or descriptors are not available, the
+# Triton kernel's ``_config``.
+_WS_DEFAULT = dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=4, tma=True, pair=False,
+                   halves=False, sm90=True, unroll=2, ws=True)
+_WS_DEFAULT_MIN_M = 1024
 
 
 def candidates(m: int, n: int, k: int, group: int, tma_ok: bool, tiles=None, sm90: bool = False) -> list[dict]:
@@ -315,10 +327,11 @@ def candidates(m: int, n: int, k: int, group: int, tma_ok: bool, tiles=None, sm9
                 out.append(dict(BLOCK_M=bm, BLOCK_N=bn, GROUP_M=8, num_warps=warps, num_stages=stages, tma=tma,
                                 pair=False, halves=True))
     if sm90 and tma_ok and m > 64:
-        for bm, bn, warps, stages, unroll in _SM90_TILES:
-            if group % bn == 0 and (bm + bn) * group * stages <= _SHARED_BYTES:
+        for bm, bn, warps, stages, unroll, ws in _SM90_TILES:
+            in_blocks = group % bn == 0 or (ws and bn == 2 * group)   # a tile's halves each in one weight block
+            if in_blocks and (bm + bn) * group * stages <= _SHARED_BYTES:
                 out.append(dict(BLOCK_M=bm, BLOCK_N=bn, GROUP_M=8, num_warps=warps, num_stages=stages, tma=True,
-                                pair=False, halves=False, sm90=True, unroll=unroll))
+                                pair=False, halves=False, sm90=True, unroll=unroll, ws=ws))
     return out
 
 
@@ -334,19 +347,22 @@ def gemm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale_inv:
          policy: LaunchPolicy | None = None) -> torch.Tensor:
     """xq (M, K) fp8 with x_scale (M, K/G) @ wq (N, K).T fp8 with w_scale_inv (ceil(N/G), K/G) -> (M, N).
     The tiles are ``_config``'s, with the ``policy``'s (a tuning cache's choice) over them, and ``config``
-    over both (tests, the tuner)."""
+    over both (tests, the tuner); with neither, from ``_WS_DEFAULT_MIN_M`` rows on a Hopper GPU, the
+    warp-specialised Gluon kernel's ``_WS_DEFAULT`` (the same bits)."""
     m, k = xq.shape
     n = wq.shape[0]
     out = torch.empty((m, n), device=xq.device, dtype=out_dtype)
     if m == 0 or n == 0:
         return out
     group = spec.activation_group
-    cfg = _config(m, n)
     tuned = policy.fp8_tiles(m, n, k, spec, out_dtype) if policy is not None else None
-    if tuned:
-        cfg.update(tuned)
-    if config:
-        cfg.update(config)
+    override = {**(tuned or {}), **(config or {})}   # a launch without sm90 = True is the Triton kernel's
+    if not override and m >= _WS_DEFAULT_MIN_M and group % _WS_DEFAULT["BLOCK_N"] == 0 and tma_ok(xq) \
+            and tma_ok(wq) and _hopper_gluon(xq.device):
+        cfg = dict(_WS_DEFAULT)
+    else:
+        cfg = _config(m, n)
+    cfg.update(override)
     halves = bool(cfg.get("halves", False))
     if halves and (cfg["pair"] or cfg["BLOCK_N"] % 32):
         raise ValueError(f"fp8 GEMM launch {cfg}: halves needs pair=False and BLOCK_N a multiple of 32")
@@ -371,6 +387,15 @@ def gemm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale_inv:
     return out
 
 
+def _hopper_gluon(device: torch.device) -> bool:
+    """Whether ``fp8_gemm_sm90`` can run on ``device`` (imported only for a CUDA device: Gluon is not loaded on
+    the CPU or under the interpreter)."""
+    if device.type != "cuda" or INTERPRET:
+        return False
+    from hal.kernels import fp8_gemm_sm90
+    return fp8_gemm_sm90.available(device)
+
+
 def _gemm_sm90(xq, x_scale, wq, w_scale_inv, bias, out, group: int, cfg: dict) -> torch.Tensor:
     """The same GEMM by ``fp8_gemm_sm90`` (Gluon, Hopper): each K block's scaled add overlapped with the
     next block's MMAs, the same bits. A launch choice like the others, so an unusable one is an error,
@@ -382,18 +407,24 @@ def _gemm_sm90(xq, x_scale, wq, w_scale_inv, bias, out, group: int, cfg: dict) -
     if not fp8_gemm_sm90.available(xq.device):
         raise ValueError(f"fp8 GEMM launch {cfg}: sm90 needs Triton's Gluon and a Hopper GPU (device {xq.device})")
     if not fp8_gemm_sm90.config_ok(cfg, group):
-        raise ValueError(f"fp8 GEMM launch {cfg}: sm90 takes BLOCK_M = 64 per 4 warps, BLOCK_N in (64, 128) and "
-                         f"num_stages >= 2")
+        raise ValueError(f"fp8 GEMM launch {cfg}: sm90 takes BLOCK_M = 64 per 4 warps (ws: BLOCK_M = 128 on 4 "
+                         f"warps), BLOCK_N in (64, 128) inside a weight block and num_stages >= 2")
     if not (tma_ok(xq) and tma_ok(wq)):
         raise ValueError("fp8 GEMM launch sm90: the activations and weights must be row-major, 16-byte aligned")
     x_desc, w_desc = fp8_gemm_sm90.descriptors(xq, wq, cfg["BLOCK_M"], cfg["BLOCK_N"], group)
     grid = (cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"]),)
-    launch(fp8_gemm_sm90._fp8_gemm_sm90_kernel, grid,
+    if cfg.get("ws"):   # the warp-specialised kernel: a loader warp, a partition per math warpgroup; persistent
+        grid = (min(grid[0], fp8_gemm_sm90.sm_count(xq.device)),)
+        kernel, extra = fp8_gemm_sm90._fp8_gemm_ws_kernel, dict(MATH_REGS=fp8_gemm_sm90.WS_MATH_REGS,
+                                                                maxnreg=fp8_gemm_sm90.WS_MAXNREG)
+    else:
+        kernel, extra = fp8_gemm_sm90._fp8_gemm_sm90_kernel, {}
+    launch(kernel, grid,
            x_desc, w_desc, x_scale, w_scale_inv, bias if bias is not None else out, out, m, n, k,
            x_scale.stride(0), x_scale.stride(1), w_scale_inv.stride(0), w_scale_inv.stride(1), out.stride(0),
            out.stride(1), GROUP=group, HAS_BIAS=bias is not None, OUT_BF16=out.dtype == torch.bfloat16,
            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], GROUP_M=cfg["GROUP_M"], STAGES=cfg["num_stages"],
-           UNROLL=cfg.get("unroll", 2), num_warps=cfg["num_warps"], **LAUNCH)
+           UNROLL=cfg.get("unroll", 2), num_warps=cfg["num_warps"], **extra, **LAUNCH)
     return out
 
 
