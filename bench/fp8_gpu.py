@@ -261,9 +261,12 @@ def cases(small):
     return [dict(n=2112, k=7168, out=torch.float32, bias=False), dict(n=4096, k=4096, out=torch.bfloat16, bias=True)]
 
 
-def tiles_of(m, n):
-    cfg = fp8_gemm._config(m, n)
-    return f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']}"
+def tiles_of(m, wq):
+    """The kernel's own launch for m rows against wq (on Hopper from 1024 rows the warp-specialised Gluon
+    kernel), as linear's contiguous quantised activations would get it."""
+    xq = torch.empty((m, wq.shape[1]), dtype=wq.dtype, device=wq.device)
+    cfg = fp8_gemm.own_config(xq, wq, G)
+    return f"{'ws ' if cfg.get('ws') else ''}{cfg['BLOCK_M']}x{cfg['BLOCK_N']}"
 
 
 def batch_section(device, small):
@@ -299,7 +302,7 @@ def batch_section(device, small):
                 checked += 1
                 equal += int(torch.equal(bits(out[pos]), bits(alone[probes[i % len(probes)]])))
             rows.append(dict(n=n, k=k, out=str(case["out"]).replace("torch.", ""), bias=case["bias"], m=m,
-                             offset=offset, tiles=tiles_of(m, n), reference_m=m_max, rows_checked=checked,
+                             offset=offset, tiles=tiles_of(m, wq), reference_m=m_max, rows_checked=checked,
                              rows_equal=equal))
         log(f"batch N={n} K={k}: {sum(r['rows_equal'] for r in rows[-len(ms):])}/"
             f"{sum(r['rows_checked'] for r in rows[-len(ms):])} rows equal")

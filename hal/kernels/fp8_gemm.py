@@ -357,11 +357,7 @@ def gemm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale_inv:
     group = spec.activation_group
     tuned = policy.fp8_tiles(m, n, k, spec, out_dtype) if policy is not None else None
     override = {**(tuned or {}), **(config or {})}   # a launch without sm90 = True is the Triton kernel's
-    if not override and m >= _WS_DEFAULT_MIN_M and group % _WS_DEFAULT["BLOCK_N"] == 0 and tma_ok(xq) \
-            and tma_ok(wq) and _hopper_gluon(xq.device):
-        cfg = dict(_WS_DEFAULT)
-    else:
-        cfg = _config(m, n)
+    cfg = _config(m, n) if override else own_config(xq, wq, group)
     cfg.update(override)
     halves = bool(cfg.get("halves", False))
     if halves and (cfg["pair"] or cfg["BLOCK_N"] % 32):
@@ -385,6 +381,16 @@ def gemm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale_inv:
            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"],
            num_stages=cfg["num_stages"], **LAUNCH)
     return out
+
+
+def own_config(xq: torch.Tensor, wq: torch.Tensor, group: int) -> dict:
+    """The kernel's own launch for xq @ wq.T (no tuning cache, no explicit launch): on a Hopper GPU from
+    ``_WS_DEFAULT_MIN_M`` rows the warp-specialised Gluon kernel, else the Triton kernel's ``_config``."""
+    m, n = xq.shape[0], wq.shape[0]
+    if (m >= _WS_DEFAULT_MIN_M and group % _WS_DEFAULT["BLOCK_N"] == 0 and tma_ok(xq) and tma_ok(wq)
+            and _hopper_gluon(xq.device)):
+        return dict(_WS_DEFAULT)
+    return _config(m, n)
 
 
 def _hopper_gluon(device: torch.device) -> bool:
