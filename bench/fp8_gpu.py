@@ -588,9 +588,11 @@ def tune_section(device, quick, cache_path):
     print(f"\n{'M':>5} {'N':>6} {'K':>6} {'own us':>8} {'tuned us':>8} {'gain':>5}  tuned launch")
     for r in rows:
         c = r["config"]
-        launch_text = (f"{c['BLOCK_M']}x{c['BLOCK_N']} w{c['num_warps']} s{c['num_stages']}"
+        launch_text = (f"{'gluon ' if c.get('sm90') else ''}{'ws ' if c.get('ws') else ''}"
+                       f"{c['BLOCK_M']}x{c['BLOCK_N']} w{c['num_warps']} s{c['num_stages']}"
                        f"{' tma' if c['tma'] else ''}{' pair' if c['pair'] else ''}"
-                       f"{' halves' if c.get('halves') else ''}") if c else "(own)"
+                       f"{' halves' if c.get('halves') else ''}{' u%d' % c['unroll'] if c.get('sm90') else ''}"
+                       ) if c else "(own)"
         print(f"{r['m']:>5} {r['n']:>6} {r['k']:>6} {r['default_ms'] * 1e3:>8.1f} {r['best_ms'] * 1e3:>8.1f} "
               f"{r['default_ms'] / r['best_ms']:>5.2f}  {launch_text}")
     return dict(cache=str(cache_path), timing="do_bench_cudagraph(rep=20), median", rows=rows)
