@@ -288,7 +288,7 @@ _HALVES_MIN_N = 128          # HALVES (two half-width MMAs and partials) for til
 # warp-specialised), offered above 64 rows on a Hopper GPU, where the operands allow descriptors. Blocks a step:
 # as many as the registers hold without spilling (three at 128 columns and 4 stages, four at 64 columns); on an
 # H100 three were 2-11 % faster than two at 128x128 (bench/results/h100-2026-12-06-fp8sm90-prefill/unroll/).
-# The warp-specialised, persistent kernel (ws: a loader warp, a partition per math warpgroup) was 1.10-1.29x the
+# The warp-specialised, persistent kernel (ws: a loader warp, a partition per math warpgroup) was 1.04-1.33x the
 # Triton kernel's default launch at M >= 4096 there (bench/results/h100-2026-12-06-ws/); its 256-column tile (two
 # weight blocks, one half at a time, so no overlap inside a warpgroup) reads a sixth less from L2 and was 2-3 %
 # faster on 4096 x 4096, slower elsewhere: one more candidate.

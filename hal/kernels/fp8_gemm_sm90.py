@@ -61,7 +61,10 @@ try:    # Triton >= 3.5 ships Gluon; without it (or under the interpreter) this 
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     # The TMA load's name: Triton 3.6 (the H200's) has async_copy_global_to_shared, later releases async_load.
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-    HAVE_GLUON = True
+    # warp_specialize([(function, args), ...], warps, registers), as in Triton 3.6-3.9; Triton 3.5 took another
+    # argument list, which the warp-specialised kernel does not speak: no Gluon kernel is offered there.
+    import inspect
+    HAVE_GLUON = next(iter(inspect.signature(gl.warp_specialize).parameters)) == "functions_and_args"
 except (ImportError, AttributeError):   # pragma: no cover - a Triton build without Gluon, or another Gluon API
     HAVE_GLUON = False
 
