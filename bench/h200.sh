@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (the `device` tool), from the repository root:
 #   bash bench/h200.sh STEP...     steps: equal tile kit-quick kit-full negative model prefill bench sweep profile digest
-#                                  host family fp8 fp8sm90 prefill-launch fp8moe fp8kv moe vllm-part vllm vllm-moe grpo
+#                                  host family fp8 fp8sm90 prefill-launch fp8moe fp8kv decode-launch moe vllm-part
+#                                  vllm vllm-moe grpo
 #                                  (default: equal tile kit-quick negative model bench)
 # Installs this checkout (and the carried stevedore wheel in .whl/) into /tmp/site, then runs
 # from outside the checkout so that the installed package (with hal.backends.cuda) is imported.
@@ -151,6 +152,9 @@ for step in $steps; do
     fp8kv) # the FP8 KV cache: write / read bit checks and decode speed against the bf16 cache (FP8KV_ARGS)
            python3 "$repo/bench/fp8_kv_gpu.py" ${FP8KV_ARGS:-} --json "$out/fp8_kv_gpu.json" > "$out/fp8_kv_gpu.log" 2>&1 || status=1
            tail -n 30 "$out/fp8_kv_gpu.log" ;;
+    decode-launch) # decode attention's launch choices (register caps, stages, splits) over bf16 and FP8 caches
+           python3 "$repo/bench/decode_launch_gpu.py" --json "$out/decode_launch.json" > "$out/decode_launch.log" 2>&1 || status=1
+           tail -n 60 "$out/decode_launch.log" ;;
     moe) [ -d /tmp/vllm-parts ] && { vllm_env || true; }
          python3 "$repo/bench/moe_gpu.py" ${MOE_ARGS:---no-checks --sweep --kernels 1,64,2048,8192} \
            --json "$out/moe_gpu.json" > "$out/moe_gpu.log" 2>&1 || status=1

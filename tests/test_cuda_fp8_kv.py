@@ -224,3 +224,22 @@ def test_refusals_name_what_is_wrong(cuda):
     with pytest.raises(UnsupportedError, match="does not realise an FP8 KV cache"):
         create_backend("torch").fp8_write_kv(q[:, :HKV], q[:, :HKV], cache.k, cache.v, cache.k_scale, cache.v_scale,
                                              torch.zeros(2, dtype=torch.long))
+
+
+def test_fp8_decode_takes_the_register_capped_launch_only_once_its_programs_fill_the_gpu():
+    """The launch rule (``attention._decode_launch``; its bits are the default's on the GPU:
+    bench/decode_launch_gpu.py): an FP8 cache's decode programs, once more than the multiprocessors, run
+    one split each under a 128-register cap with 3 stages (four programs a multiprocessor); fewer
+    programs, and every bf16 cache, keep the bf16 rule (no cap, 5 stages)."""
+    from hal.kernels.attention import _decode_launch
+
+    sms = 132
+    for programs in (133, 512, 4096, 16 * sms + 1):
+        assert _decode_launch(programs, sms, kv_fp8=True) == dict(splits_per_program=1, num_stages=3, maxnreg=128)
+    for programs in (1, 64, sms):
+        assert _decode_launch(programs, sms, kv_fp8=True) == _decode_launch(programs, sms, kv_fp8=False)
+    # the bf16 rule: two splits in the partial-wave band and past 16 programs a multiprocessor, never a cap
+    assert [_decode_launch(p, sms, kv_fp8=False)["splits_per_program"] for p in (64, 400, 528, 600, 16 * sms + 1)] \
+        == [1, 2, 2, 1, 2]
+    assert all(_decode_launch(p, sms, kv_fp8=False)["maxnreg"] == 0 for p in (1, 600, 10**5))
+    assert _decode_launch(10**5, 0, kv_fp8=True) == dict(splits_per_program=1, num_stages=5, maxnreg=0)

@@ -464,7 +464,7 @@ def _launch_shape(tokens: int, num_seqs: int, group_pad: int) -> dict:
         # query heads stay in one program: split over 2 or 4 programs, each streams the whole K/V
         # (1.2-4x slower). K/V by pointer: tensor descriptors measured 4-8% slower here (16-row
         # tiles take their MMA operands from registers: 215-220 registers with descriptors, 189-193
-        # without, at 64-key pages). Warps: ``_decode_programs``.
+        # without, at 64-key pages). Splits per program, stages and register cap: ``_decode_launch``.
         return dict(base, rows=16, num_warps=4, num_stages=5, decode=True)
     # Prefill, MMA bound: 64 query rows (one warpgroup) per program; 128 rows on 8 warps measured
     # 2-4% slower at L = 2048..8192. K/V by tensor descriptor where the pages allow (64-key pages)
@@ -499,25 +499,38 @@ def _token_rows_descriptor(cache: torch.Tensor, kv_chunk: int):
     return TensorDescriptor(cache, [cdiv(span, rows), rows], [rows, 1], [kv_chunk, cache.shape[3]])
 
 
-def _decode_programs(programs: int, sms: int) -> tuple[int, int]:
-    """(parallel splits per decode program, warps per program), from the number of one-split
-    programs. One-split programs run 3 to a multiprocessor (157 registers, 70 KB of shared memory);
-    when they need a second, partial wave (between 3 and 4 per multiprocessor: B = 1 x 32k or 8 x
-    4096 keys, 512 programs on 132), programs of two splits (244 registers: 2 per multiprocessor)
-    fit in one: 1.17 / 1.27x faster there. Elsewhere one split (two: 1.7x slower at 64 programs,
-    2-5% slower at 4096 programs and more).
-    Many programs (over 16 per multiprocessor) walk two consecutive splits each, on 4 warps: in a
-    vLLM decode step (256 sequences of 64..768 keys, 64-key pages, a block table for 1024 keys: two
-    splits, the second mostly empty) 142.5 against 156.4 us for one split on 2 warps, and 224-226 us
-    either way at 600..1024 keys (bench/speed_sweep.py --only vllm-decode, H200 session 7; the
-    bounds are from the block table, so short sequences leave one-split programs idle). Sessions 3-4
-    had measured two splits 2-5% slower at B = 64 x 4096 keys on 16-key pages, which is why it was
-    not the rule there."""
+def _decode_launch(programs: int, sms: int, kv_fp8: bool) -> dict:
+    """The decode launch (splits per program, stages, register cap; 4 warps) from the number of one-split
+    programs, the multiprocessors and the cache's format.
+
+    bf16 (or fp32) caches: one-split programs run 2 to a multiprocessor (207-222 registers on Triton 3.6,
+    70 KB of shared memory); when they need a partial last wave (between 3 and 4 per multiprocessor:
+    B = 1 x 32k or 8 x 4096 keys, 512 programs on 132), programs of two splits fit in fewer waves: 1.17 /
+    1.27x faster there (H200). Elsewhere one split (two: 1.7x slower at 64 programs, 2-5% slower at 4096
+    programs and more).
+    Many programs (over 16 per multiprocessor) walk two consecutive splits each: in a vLLM decode step
+    (256 sequences of 64..768 keys, 64-key pages, a block table for 1024 keys: two splits, the second
+    mostly empty) 142.5 against 156.4 us for one split on 2 warps, and 224-226 us either way at
+    600..1024 keys (bench/speed_sweep.py --only vllm-decode, H200 session 7; the bounds are from the
+    block table, so short sequences leave one-split programs idle). Sessions 3-4 had measured two splits
+    2-5% slower at B = 64 x 4096 keys on 16-key pages, which is why it was not the rule there. A register
+    cap does not help this kernel: it streams K/V at 83-89 % of HBM bandwidth already.
+
+    FP8 caches, once the programs fill the GPU (more one-split programs than multiprocessors): one split,
+    at most 128 registers a thread and 3 stages, so that four programs (16 warps) share a multiprocessor
+    instead of two. The dequantisation makes this kernel issue-bound, not read-bound (1.8x the bf16
+    kernel's instructions, DRAM 35 % busy: bench/results/h200-2026-12-04-session18, call 5), and more warps
+    hide its latency: 1.08-1.16x faster than the bf16 rule's launch at B = 1 x 32k to 256 x 4k keys, GQA
+    2-5, head dims 64 / 128, pages 16-64, though ptxas spills 2-54 registers (H100,
+    bench/results/h100-2026-12-06-fp8kv/, bench/decode_launch_gpu.py). Fewer programs: the bf16 rule.
+
+    ``maxnreg`` 0: no cap."""
     if sms == 0:  # the launch policy knows no multiprocessor count (not a CUDA GPU): the plain shape
-        return 1, 4
-    if programs > 16 * sms:
-        return 2, 4
-    return (2 if 3 * sms < programs <= 4 * sms else 1), 4
+        return dict(splits_per_program=1, num_stages=5, maxnreg=0)
+    if kv_fp8 and programs > sms:
+        return dict(splits_per_program=1, num_stages=3, maxnreg=128)
+    two = programs > 16 * sms or 3 * sms < programs <= 4 * sms
+    return dict(splits_per_program=2 if two else 1, num_stages=5, maxnreg=0)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start_loc: torch.Tensor,
@@ -525,15 +538,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     policy: LaunchPolicy, split_parallel: bool | None = None, block_q: int | None = None,
                     num_warps: int | None = None, num_stages: int | None = None, head_split: int | None = None,
                     heads_fastest: bool | None = None, splits_per_program: int | None = None,
-                    tma: bool | None = None, k_scale: torch.Tensor | None = None,
+                    tma: bool | None = None, maxnreg: int | None = None, k_scale: torch.Tensor | None = None,
                     v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q (T, Hq, D); caches (pages, P, Hkv, D); metadata as in hal.backend.AttentionMetadata; the
     reduction structure from ``spec`` ([attention]); vendor launch choices from ``policy``.
     ``split_parallel``, ``block_q``, ``num_warps``, ``num_stages``, ``head_split`` (programs per KV
     head, each taking a slice of its query heads; a power of two up to the padded group),
-    ``heads_fastest`` (program numbering), ``splits_per_program`` (with parallel splits) and ``tma``
-    (K/V by tensor descriptor where ``_tma_ok``) override the launch shape (tests and tuning); they
-    never change the bits. ``k_scale`` / ``v_scale``: fp8 caches' scales ([fp8]: (pages, P, Hkv) fp32 per
+    ``heads_fastest`` (program numbering), ``splits_per_program`` (with parallel splits), ``tma``
+    (K/V by tensor descriptor where ``_tma_ok``) and ``maxnreg`` (the register cap per thread, 0 for
+    none: more programs per multiprocessor) override the launch shape (tests and tuning); they never change the bits. ``k_scale`` / ``v_scale``: fp8 caches' scales ([fp8]: (pages, P, Hkv) fp32 per
     token-head, or 0-dim fixed), required exactly when the caches are fp8 (``hal.fp8.Fp8KVCache``)."""
     tokens, q_heads, head_dim = q.shape
     kv_fp8 = k_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -563,12 +576,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     context = block_table.shape[1] * page  # keys the block table can hold: an upper bound on every context
     split = spec.split_size(context)
     max_splits = spec.split_count(context)
-    decode_splits, decode_warps = _decode_programs(num_tiles * kv_heads * head_split * max_splits,
-                                                   policy.multiprocessors(q.device))
+    decode = (_decode_launch(num_tiles * kv_heads * head_split * max_splits, policy.multiprocessors(q.device),
+                             kv_fp8) if shape["decode"] else {})
     if splits_per_program is None:
-        splits_per_program = decode_splits if shape["decode"] else shape["splits_per_program"]
-    if num_warps is None and shape["decode"] and splits_per_program == decode_splits:
-        num_warps = decode_warps
+        splits_per_program = decode.get("splits_per_program", shape["splits_per_program"])
+    if maxnreg is None:
+        maxnreg = decode.get("maxnreg", 0)
     if splits_per_program < 1:
         raise ValueError(f"splits_per_program must be >= 1, got {splits_per_program}")
     if split_parallel is None:
@@ -581,7 +594,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     tma = tma and _tma_ok(k_cache, v_cache, kv_chunk)    # bf16 caches only (fp8 tiles are dequantised in registers)
     scale_log2e = spec.score_factor(scale)  # fl32(scale * log2 e), or fl32(scale) with the natural exp
     is_bf16 = q.dtype == torch.bfloat16
-    num_stages = num_stages or shape["num_stages"]
+    num_stages = num_stages or decode.get("num_stages") or shape["num_stages"]
     if kv_chunk > 64 and not INTERPRET:
         # The stage counts were measured at 64-key chunks. A wider chunk (128 keys: bf16-ascend-v1)
         # holds twice the K/V per stage and ran out of shared memory on the H200 (fp32, head dim 128,
@@ -595,6 +608,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                 EXP2=spec.exp == "exp2", ROUNDED_SUM=spec.row_sum == "sum_of_rounded_p", KV_FP8=kv_fp8,
                 PER_TOKEN_SCALE=per_token_scale, OPERAND_BARRIER=kv_fp8 and not INTERPRET,
                 num_warps=num_warps or shape["num_warps"], num_stages=num_stages, **LAUNCH)
+    if maxnreg and not INTERPRET:
+        meta["maxnreg"] = maxnreg
     scales = (k_scale, v_scale, *(k_scale.stride() if per_token_scale else (0, 0, 0))) if kv_fp8 else (q, q, 0, 0, 0)
     strides = (q.stride(0), q.stride(1), block_table.stride(0), k_cache.stride(0), k_cache.stride(1),
                k_cache.stride(2), out.stride(0), out.stride(1))
