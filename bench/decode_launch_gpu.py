@@ -12,7 +12,7 @@ allocation and the pipelining depth never change an operation), so each must giv
 For each (cache, shape, variant): bitwise equality with the default launch's output, device time under
 CUDA-graph replay (median), and the compiled kernel's registers and spills. Prints a table per shape and
 writes JSON. Since the FP8 rule (``attention._decode_launch``: one split, 128 registers, 3 stages once the
-programs fill the GPU) "default" is that launch for the FP8 cache, and "bf16 rule" the one it replaced.
+programs fill the GPU) "default" is that launch for the FP8 cache, and "bf16-rule" the one it replaced.
 
     python3 bench/decode_launch_gpu.py --json decode_launch.json      # on the GPU (PYTHONPATH=/tmp/site)
 """
@@ -34,19 +34,19 @@ from hal.kvcache import build_metadata
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from fp8_kv_gpu import FP8, filled_cache, rows  # noqa: E402
 
-# name -> paged_attention overrides ({}: the kernel's own launch; "bf16 rule": the launch the bf16 cache's
+# name -> paged_attention overrides ({}: the kernel's own launch; "bf16-rule": the launch the bf16 cache's
 # rule gives this shape, for both caches: the FP8 cache's launch before the register-capped one)
 VARIANTS = {
     "default": {},
-    "bf16 rule": "bf16 rule",
+    "bf16-rule": "bf16-rule",
     "spp1": dict(splits_per_program=1, maxnreg=0, num_stages=5),
     "spp2": dict(splits_per_program=2, maxnreg=0, num_stages=5),
-    "spp1 r168": dict(splits_per_program=1, maxnreg=168, num_stages=5),
-    "spp2 r168": dict(splits_per_program=2, maxnreg=168, num_stages=5),
-    "spp1 r128 s3": dict(splits_per_program=1, maxnreg=128, num_stages=3),
-    "spp2 r128 s3": dict(splits_per_program=2, maxnreg=128, num_stages=3),
-    "spp1 r128 s2": dict(splits_per_program=1, maxnreg=128, num_stages=2),
-    "spp1 r96 s2": dict(splits_per_program=1, maxnreg=96, num_stages=2),
+    "spp1-r168": dict(splits_per_program=1, maxnreg=168, num_stages=5),
+    "spp2-r168": dict(splits_per_program=2, maxnreg=168, num_stages=5),
+    "spp1-r128-s3": dict(splits_per_program=1, maxnreg=128, num_stages=3),
+    "spp2-r128-s3": dict(splits_per_program=2, maxnreg=128, num_stages=3),
+    "spp1-r128-s2": dict(splits_per_program=1, maxnreg=128, num_stages=2),
+    "spp1-r96-s2": dict(splits_per_program=1, maxnreg=96, num_stages=2),
 }
 # (batch, context, q heads, kv heads, head dim, page)
 SHAPES = [(1, 4096, 32, 8, 128, 64), (1, 32768, 32, 8, 128, 64), (4, 8192, 32, 8, 128, 64),
@@ -101,7 +101,7 @@ def main(argv=None) -> int:
             programs = batch * hkv * cuda.contract.attention.split_count(ctx)
             bf16_rule = attention_kernels._decode_launch(programs, cuda._launch.multiprocessors(q.device), False)
             for name in names:
-                overrides = bf16_rule if VARIANTS[name] == "bf16 rule" else VARIANTS[name]
+                overrides = bf16_rule if VARIANTS[name] == "bf16-rule" else VARIANTS[name]
                 out = run(overrides)
                 same = torch.equal(out, want)
                 failures += not same

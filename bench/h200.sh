@@ -29,6 +29,7 @@
 #                  vLLM's fused MoE is timed beside ours when the bundle (built with KEEP_MOE=1) is unpacked
 #   FP8SM90_ARGS   fp8_sm90_gpu.py's arguments for `fp8sm90` (default: bits and speed)
 #   FP8MOE_ARGS    fp8_moe_gpu.py's arguments for `fp8moe` (default "--model"); FP8MOE_KIT=0 skips its kit cells
+#   DECODE_LAUNCH_ARGS  decode_launch_gpu.py's arguments for `decode-launch` (e.g. --variants default,spp2)
 #   FP8_ARGS       fp8_gpu.py's arguments for `fp8` (default "--quick"); FP8_TAG names its files; with the vLLM
 #                  bundle unpacked its block-FP8 GEMMs are timed beside ours; HAL_TUNE_CACHE (tune section's
 #                  --tune-cache) is where its tuning cache goes / is read
@@ -153,7 +154,7 @@ for step in $steps; do
            python3 "$repo/bench/fp8_kv_gpu.py" ${FP8KV_ARGS:-} --json "$out/fp8_kv_gpu.json" > "$out/fp8_kv_gpu.log" 2>&1 || status=1
            tail -n 30 "$out/fp8_kv_gpu.log" ;;
     decode-launch) # decode attention's launch choices (register caps, stages, splits) over bf16 and FP8 caches
-           python3 "$repo/bench/decode_launch_gpu.py" --json "$out/decode_launch.json" > "$out/decode_launch.log" 2>&1 || status=1
+           python3 "$repo/bench/decode_launch_gpu.py" ${DECODE_LAUNCH_ARGS:-} --json "$out/decode_launch.json" > "$out/decode_launch.log" 2>&1 || status=1
            tail -n 60 "$out/decode_launch.log" ;;
     moe) [ -d /tmp/vllm-parts ] && { vllm_env || true; }
          python3 "$repo/bench/moe_gpu.py" ${MOE_ARGS:---no-checks --sweep --kernels 1,64,2048,8192} \
