@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (the `device` tool), from the repository root:
 #   bash bench/h200.sh STEP...     steps: equal tile kit-quick kit-full negative model prefill bench sweep profile digest
-#                                  host family fp8 fp8sm90 prefill-launch fp8moe fp8kv decode-launch moe vllm-part
+#                                  host family fp8 fp8sm90 prefill-launch fp8moe fp8kv decode-launch decode-tune moe vllm-part
 #                                  vllm vllm-moe grpo
 #                                  (default: equal tile kit-quick negative model bench)
 # Installs this checkout (and the carried stevedore wheel in .whl/) into /tmp/site, then runs
@@ -30,6 +30,7 @@
 #   FP8SM90_ARGS   fp8_sm90_gpu.py's arguments for `fp8sm90` (default: bits and speed)
 #   FP8MOE_ARGS    fp8_moe_gpu.py's arguments for `fp8moe` (default "--model"); FP8MOE_KIT=0 skips its kit cells
 #   DECODE_LAUNCH_ARGS  decode_launch_gpu.py's arguments for `decode-launch` (e.g. --variants default,spp2)
+#   DECODE_TUNE_ARGS    decode_tune_gpu.py's arguments for `decode-tune` (e.g. "--heads 32/8/128 --budget-s 300")
 #   FP8_ARGS       fp8_gpu.py's arguments for `fp8` (default "--quick"); FP8_TAG names its files; with the vLLM
 #                  bundle unpacked its block-FP8 GEMMs are timed beside ours; HAL_TUNE_CACHE (tune section's
 #                  --tune-cache) is where its tuning cache goes / is read
@@ -156,6 +157,10 @@ for step in $steps; do
     decode-launch) # decode attention's launch choices (register caps, stages, splits) over bf16 and FP8 caches
            python3 "$repo/bench/decode_launch_gpu.py" ${DECODE_LAUNCH_ARGS:-} --json "$out/decode_launch.json" > "$out/decode_launch.log" 2>&1 || status=1
            tail -n 60 "$out/decode_launch.log" ;;
+    decode-tune) # decode attention's launch search (hal tune's decode cells): every candidate bit-checked, timed, vs SDPA
+           python3 "$repo/bench/decode_tune_gpu.py" ${DECODE_TUNE_ARGS:-} --json "$out/decode_tune.json" \
+             --cache "$out/decode_tune_cache.json" > "$out/decode_tune.log" 2>&1 || status=1
+           tail -n 40 "$out/decode_tune.log" ;;
     moe) [ -d /tmp/vllm-parts ] && { vllm_env || true; }
          python3 "$repo/bench/moe_gpu.py" ${MOE_ARGS:---no-checks --sweep --kernels 1,64,2048,8192} \
            --json "$out/moe_gpu.json" > "$out/moe_gpu.log" 2>&1 || status=1

@@ -174,11 +174,24 @@ def _conformance_merge(paths: list[str], output: str | None) -> int:
 
 
 DEFAULT_TUNE_BATCHES = "1,2,4,8,16,32,64,128,256,512,1024,2048,4096,8192"
+DEFAULT_DECODE_BATCHES = "1,4,16,64,256"
+DEFAULT_DECODE_CONTEXTS = "2048,8192,32768"
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    """Comma-separated positive integers of a `hal tune` flag, sorted, without repeats."""
+    try:
+        values = sorted({int(v) for v in text.split(",")})
+    except ValueError:
+        raise HalError(f"hal tune: {flag} takes comma-separated positive integers, got {text!r}") from None
+    if not values or values[0] < 1:
+        raise HalError(f"hal tune: {flag} values must be >= 1, got {text!r}")
+    return values
 
 
 def _tune(args) -> int:
-    """Time the GEMM launch candidates for a model's linears on this GPU and keep the fastest per shape
-    class in the tuning cache the cuda backend reads (hal/kernels/tuning.py)."""
+    """Time the launch candidates for a model's linears and decode attention on this GPU and keep the fastest
+    per shape class in the tuning cache the cuda backend reads (hal/kernels/tuning.py)."""
     import json
 
     import torch
@@ -201,12 +214,20 @@ def _tune(args) -> int:
     if backend.device.type != "cuda":
         raise HalError("hal tune: times launches on a GPU; the cuda backend runs on "
                        f"{backend.device} here (Triton's interpreter?): nothing to tune")
-    try:
-        batches = sorted({int(b) for b in args.batch.split(",")})
-    except ValueError:
-        raise HalError(f"hal tune: --batch takes comma-separated token counts, got {args.batch!r}") from None
-    if not batches or batches[0] < 1:
-        raise HalError(f"hal tune: batch sizes must be >= 1, got {args.batch!r}")
+    ops = set(args.ops.split(","))
+    if not ops or not ops <= {"gemm", "decode"}:
+        raise HalError(f"hal tune: --ops takes gemm, decode or both (comma-separated), got {args.ops!r}")
+    batches = _int_list(args.batch, "--batch") if "gemm" in ops else []
+    decode_batches = _int_list(args.decode_batch, "--decode-batch") if "decode" in ops else []
+    contexts = _int_list(args.context, "--context")
+    kv_formats = args.kv_cache.split(",")
+    if "fp8" in kv_formats:              # the contract's FP8 KV format
+        if backend.contract.fp8 is None:
+            raise HalError(f"hal tune: --kv-cache fp8 needs a contract with an [fp8] section; "
+                           f"{backend.contract.name} has none: pass --contract bf16-fp8-v1")
+        kv_formats = [backend.contract.fp8.kv_format if f == "fp8" else f for f in kv_formats]
+    if not set(kv_formats) <= {"bf16", "e4m3", "e5m2"}:
+        raise HalError(f"hal tune: --kv-cache takes bf16 and/or fp8, got {args.kv_cache!r}")
     import triton
 
     device = torch.cuda.get_device_name()
@@ -227,8 +248,10 @@ def _tune(args) -> int:
     if moe_layers and backend.contract.moe is None:
         raise HalError(f"hal tune: {config_file} is an MoE model; contract {backend.contract.name} has no [moe] "
                        f"section: pass --contract bf16-moe-v1 (or another contract with one)")
-    print(f"hal tune: {len(shapes)} GEMM, {len(fp8_shapes)} block-FP8 GEMM and {len(moe_layers)} MoE layer shapes "
-          f"of {config_file} on {device}, contract {backend.contract}; cache {out}", flush=True)
+    decode_cells = tuning.model_decode_cells(model, decode_batches, contexts, args.page, dict.fromkeys(kv_formats))
+    print(f"hal tune: {len(shapes)} GEMM, {len(fp8_shapes)} block-FP8 GEMM, {len(moe_layers)} MoE layer and "
+          f"{len(decode_cells)} decode attention shapes of {config_file} on {device}, contract {backend.contract}; "
+          f"cache {out}", flush=True)
     rows: list = []
 
     def progress(line: str) -> None:
@@ -250,8 +273,22 @@ def _tune(args) -> int:
                              report=rows)
     if moe_layers:
         tuning.tune_moe(moe_layers, backend.contract.gemm, cache=cache, progress=progress, report=rows)
+    if decode_cells:                     # the stock baseline is SDPA on contiguous K/V (as bench/family_sweep.py)
+        tuning.tune_decode(decode_cells, backend.contract.attention, fp8=backend.contract.fp8, cache=cache,
+                           progress=progress, baseline=_sdpa_decode if args.report else None, report=rows,
+                           max_cache_bytes=torch.cuda.mem_get_info()[0] // 4)
     print(f"hal tune: {len(cache.entries)} shape classes in {out}" + (f"; report {args.report}" if args.report else ""))
     return 0
+
+
+def _sdpa_decode(q, batch: int, context: int, kv_heads: int):
+    """torch's SDPA for one query token per sequence over contiguous K/V (its default dispatch)."""
+    import torch
+    import torch.nn.functional as F
+
+    k = torch.randn(batch, kv_heads, context, q.shape[-1], device=q.device, dtype=q.dtype)
+    v = torch.randn_like(k)
+    return lambda: F.scaled_dot_product_attention(q.unsqueeze(2), k, v, enable_gqa=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -286,13 +323,21 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="show the train/rollout mismatch of stock kernels and its fix, on this machine")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_demo)
-    p = sub.add_parser("tune", help="time the GEMM launch choices (bf16 or block-FP8 linears, MoE expert GEMMs) "
-                                    "for a model on this GPU (cuda backend)")
+    p = sub.add_parser("tune", help="time the launch choices of a model's GEMMs (bf16 or block-FP8 linears, MoE "
+                                    "expert GEMMs) and decode attention on this GPU (cuda backend)")
     p.add_argument("--model", required=True, help="a Hugging Face config.json, or a checkpoint directory holding one")
-    p.add_argument("--batch", default=DEFAULT_TUNE_BATCHES, help="tokens per call to tune for, comma-separated")
+    p.add_argument("--batch", default=DEFAULT_TUNE_BATCHES, help="GEMM tokens per call to tune for, comma-separated")
+    p.add_argument("--ops", default="gemm,decode", help="what to tune: gemm, decode or both (default both)")
+    p.add_argument("--decode-batch", default=DEFAULT_DECODE_BATCHES, help="decode: sequences per call, comma-separated")
+    p.add_argument("--context", default=DEFAULT_DECODE_CONTEXTS,
+                   help="decode: keys the block table holds (a vLLM engine's model length), comma-separated")
+    p.add_argument("--page", type=int, default=16, help="decode: KV-cache page size (vLLM's block size; default 16)")
+    p.add_argument("--kv-cache", default="bf16", help="decode: cache formats, bf16 and/or fp8 (the contract's "
+                                                      "[fp8].kv_format), comma-separated")
     p.add_argument("--contract", help="contract name or .toml path (default: the backend's first)")
     p.add_argument("--cache", help="the tuning cache to write (default: $HAL_TUNE_CACHE or ~/.cache/hal/tuning/)")
-    p.add_argument("--report", help="also time cuBLAS per shape and write every shape's times here (JSON)")
+    p.add_argument("--report", help="also time cuBLAS (GEMMs) and SDPA (decode) per shape and write every shape's "
+                                    "times here (JSON)")
     p.set_defaults(func=_tune)
     from hal.diff import add_subcommand as add_diff  # `hal diff`: its options live with it in hal/diff.py
     add_diff(sub)

@@ -4,7 +4,7 @@ The kernels size their launch shapes in waves of programs on the multiprocessors
 wave costs a quarter of the time at some shapes); the count is the one thing about an NVIDIA device
 they need, and it comes from here. Tiles are the kernels' own tables, tuned on the H200, unless a
 tuning cache of this GPU (``hal tune``, hal/kernels/tuning.py) holds a measured choice for a GEMM shape
-(bf16 or block-FP8, or an MoE layer's grouped expert GEMMs).
+(bf16 or block-FP8, or an MoE layer's grouped expert GEMMs) or for a decode attention shape.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from hal.contract import Fp8, Gemm
+from hal.contract import Attention, Fp8, Gemm
 from hal.kernels import tuning
 from hal.kernels.policy import LaunchPolicy
 
@@ -56,10 +56,24 @@ class CudaLaunch(LaunchPolicy):
             if cache is not None else None
         return (entry["gate_up"], entry["down"]) if entry else None
 
+    def decode_launch(self, tokens: int, num_seqs: int, context: int, q_heads: int, kv_heads: int, head_dim: int,
+                      page: int, q_dtype: torch.dtype, kv_dtype: torch.dtype, spec: Attention) -> dict | None:
+        """The tuned launch of this decode call's shape class (``hal tune``'s decode cells), as ``gemm_tiles``."""
+        if not self.tuned or _tuning_cache() is None:
+            return None
+        return _decode_config(tokens, num_seqs, context, q_heads, kv_heads, head_dim, page, q_dtype, kv_dtype, spec)
+
 
 @functools.lru_cache(maxsize=None)
 def _multiprocessors(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.lru_cache(maxsize=4096)
+def _decode_config(*call) -> dict | None:
+    """The tuning cache's decode launch for a call's shape (remembered: decode attention runs once per layer
+    and step, and building the key costs more than the lookup). Shared between calls: read-only."""
+    return _tuning_cache().config(tuning.decode_shape_class(*call))
 
 
 @functools.lru_cache(maxsize=None)

@@ -456,7 +456,7 @@ def _launch_shape(tokens: int, num_seqs: int, group_pad: int) -> dict:
     2048 took 1.29 / 1.17x longer, 1% less at 4096; decode up to 3% longer at batch >= 8)."""
     base = dict(head_split=1, heads_fastest=True, splits_per_program=1, tma=False)
     if INTERPRET:  # programs run one after another: parallel splits only add work
-        return dict(base, rows=16, num_warps=4, num_stages=1, decode=False)
+        return dict(base, rows=16, num_warps=4, num_stages=1, decode=tokens <= 16 * num_seqs)
     if tokens <= 16 * num_seqs:
         # Decode-like, bound by streaming K/V: one 16-row MMA tile, parallel splits, and 5 stages:
         # the depth at which Triton 3.6 double-buffers the page-table-indirect K/V loads (with 3
@@ -533,6 +533,30 @@ def _decode_launch(programs: int, sms: int, kv_fp8: bool) -> dict:
     return dict(splits_per_program=2 if two else 1, num_stages=5, maxnreg=0)
 
 
+# The decode launches ``hal tune`` times (hal/kernels/tuning.py ``tune_decode``; issue #20): every choice
+# ``_decode_launch`` makes by rule, and a few it never makes (8 warps, a GQA group over two programs,
+# one program walking all its splits with no merge kernel). Launch choices only: each must give the rule's
+# bits, and the tuner checks that bit for bit before it times one.
+_DECODE_STAGES_REGISTERS = ((5, 0), (3, 0), (5, 168), (3, 128), (2, 128))
+
+
+def decode_candidates(max_splits: int, group_pad: int) -> list[dict]:
+    """``paged_attention`` overrides for a decode call whose block table holds ``max_splits`` splits and
+    whose GQA group pads to ``group_pad`` query heads; none repeats another's launch."""
+    walk = [dict(split_parallel=False, num_warps=4, num_stages=stages, maxnreg=registers)
+            for stages, registers in _DECODE_STAGES_REGISTERS[:1] + _DECODE_STAGES_REGISTERS[3:4]]
+    if max_splits == 1:     # one split: parallel splits would only add the merge kernel
+        return walk + [dict(walk[0], num_warps=8)]
+    out = [dict(split_parallel=True, splits_per_program=spp, num_warps=4, num_stages=stages, maxnreg=registers)
+           for spp in (1, 2, 4) if spp == 1 or spp < 2 * max_splits        # more than all splits: the same launch
+           for stages, registers in _DECODE_STAGES_REGISTERS]
+    out += [dict(split_parallel=True, splits_per_program=spp, num_warps=8, num_stages=5, maxnreg=0) for spp in (1, 2)]
+    if group_pad >= 2:
+        out += [dict(split_parallel=True, splits_per_program=spp, head_split=2, num_warps=4, num_stages=5, maxnreg=0)
+                for spp in (1, 2)]
+    return out + walk
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float, spec: Attention, *,
                     policy: LaunchPolicy, split_parallel: bool | None = None, block_q: int | None = None,
@@ -563,7 +587,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         return out
     group_pad = next_power_of_2(group)
     shape = _launch_shape(tokens, num_seqs, group_pad)
-    head_split = head_split or shape["head_split"]
+    context = block_table.shape[1] * page  # keys the block table can hold: an upper bound on every context
+    # A decode launch measured for this call's shape class (``hal tune``, ``decode_candidates``) replaces the
+    # rules below; the call's own overrides replace both.
+    tuned = (policy.decode_launch(tokens, num_seqs, context, q_heads, kv_heads, head_dim, page, q.dtype,
+                                  k_cache.dtype, spec) or {}) if shape["decode"] else {}
+    head_split = head_split or tuned.get("head_split") or shape["head_split"]
     if head_split > group_pad or group_pad % head_split:
         raise ValueError(f"head_split {head_split} must be a power of two dividing the padded GQA group {group_pad}")
     block_q = (block_q or policy.attention_block_q(q, k_cache, query_start_loc, spec)
@@ -573,17 +602,20 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     heads_fastest = shape["heads_fastest"] if heads_fastest is None else heads_fastest
     heads_fastest = heads_fastest and num_tiles <= 65535  # grid axis 2 holds at most 65535 programs
     kv_chunk = spec.kv_chunk
-    context = block_table.shape[1] * page  # keys the block table can hold: an upper bound on every context
     split = spec.split_size(context)
     max_splits = spec.split_count(context)
-    decode = (_decode_launch(num_tiles * kv_heads * head_split * max_splits, policy.multiprocessors(q.device),
-                             kv_fp8) if shape["decode"] else {})
+    decode = {}
+    if shape["decode"]:
+        decode = {**_decode_launch(num_tiles * kv_heads * head_split * max_splits, policy.multiprocessors(q.device),
+                                   kv_fp8), **tuned}
     if splits_per_program is None:
         splits_per_program = decode.get("splits_per_program", shape["splits_per_program"])
     if maxnreg is None:
         maxnreg = decode.get("maxnreg", 0)
     if splits_per_program < 1:
         raise ValueError(f"splits_per_program must be >= 1, got {splits_per_program}")
+    if split_parallel is None:
+        split_parallel = decode.get("split_parallel")
     if split_parallel is None:
         # Parallel splits fill the GPU for few tiles and balance it for decode (measured faster
         # up to batch 64 x 32k keys); prefill merges in-kernel (no partials to write).
@@ -607,7 +639,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                 IS_BF16=is_bf16, UPCAST=INTERPRET and is_bf16, KV_CHUNK=kv_chunk, BLOCK_B=BLOCK_B, TMA=tma,
                 EXP2=spec.exp == "exp2", ROUNDED_SUM=spec.row_sum == "sum_of_rounded_p", KV_FP8=kv_fp8,
                 PER_TOKEN_SCALE=per_token_scale, OPERAND_BARRIER=kv_fp8 and not INTERPRET,
-                num_warps=num_warps or shape["num_warps"], num_stages=num_stages, **LAUNCH)
+                num_warps=num_warps or decode.get("num_warps") or shape["num_warps"], num_stages=num_stages, **LAUNCH)
     if maxnreg and not INTERPRET:
         meta["maxnreg"] = maxnreg
     scales = (k_scale, v_scale, *(k_scale.stride() if per_token_scale else (0, 0, 0))) if kv_fp8 else (q, q, 0, 0, 0)

@@ -45,3 +45,9 @@ class LaunchPolicy:
                           spec: Attention) -> int | None:
         """Query tokens per attention program for this call, or None for the kernel's own choice."""
         return None
+
+    def decode_launch(self, tokens: int, num_seqs: int, context: int, q_heads: int, kv_heads: int, head_dim: int,
+                      page: int, q_dtype: torch.dtype, kv_dtype: torch.dtype, spec: Attention) -> dict | None:
+        """Launch choices that replace decode attention's rule for this call (keys of
+        ``attention.decode_candidates``' entries), or None. ``context``: the keys the block table can hold."""
+        return None

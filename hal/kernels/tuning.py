@@ -1,5 +1,5 @@
-"""GEMM launch selection by measurement (issue #20), bit-safe by construction: dense and block-FP8
-linears, and an MoE layer's grouped expert GEMMs (``tune_moe``).
+"""Launch selection by measurement (issue #20), bit-safe by construction: dense and block-FP8 linears, an
+MoE layer's grouped expert GEMMs (``tune_moe``) and decode attention (``tune_decode``).
 
 The contract fixes the GEMM's reduction structure (K chunks at absolute offsets, ascending); tiles,
 warps, stages, split-K and descriptor loads are free: they never change a bit (bench/tile_freedom.py,
@@ -14,7 +14,13 @@ is read once per process and never changes afterwards, so a shape class always g
 configuration within a process (the bits do not depend on it anyway). Without a cache file, or for a
 shape class it does not hold, the kernel's own table (``gemm._config``) decides.
 
-    hal tune --model path/to/config.json                # a model's linears at batch sizes 1..8192
+Decode attention likewise: its reduction structure is the contract's (KV chunks and splits at absolute
+positions); splits per program, stages, register cap, warps, how a GQA group is spread over programs and
+whether splits run in parallel programs are free (``attention.decode_candidates``), so ``tune_decode``
+times them per decode shape class (``decode_shape_class``) with the same bit check.
+
+    hal tune --model path/to/config.json                # a model's linears at batch sizes 1..8192 and its
+                                                        # decode attention at 1..256 sequences
     HAL_TUNE_CACHE=/path/tune.json python train.py      # where the cache is read (default below)
 """
 
@@ -31,7 +37,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from hal.contract import Fp8, Gemm
+from hal.contract import Attention, Fp8, Gemm
 from hal.errors import HalError
 
 log = logging.getLogger(__name__)
@@ -59,6 +65,27 @@ def moe_shape_class(slots: int, num_experts: int, hidden: int, inter: int, dtype
     s_class = 1 << max(0, (max(1, slots) - 1).bit_length())
     name = {torch.bfloat16: "bf16", torch.float32: "fp32"}.get(dtype, str(dtype))
     return f"moe-s{s_class}-e{num_experts}-h{hidden}-i{inter}-{name}-kc{k_chunk}"
+
+
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16",
+                torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
+
+
+def _power_of_two_at_least(x: int) -> int:
+    return 1 << max(0, (max(1, x) - 1).bit_length())
+
+
+def decode_shape_class(tokens: int, num_seqs: int, context: int, q_heads: int, kv_heads: int, head_dim: int,
+                       page: int, q_dtype: torch.dtype, kv_dtype: torch.dtype, spec: Attention) -> str:
+    """The cache key of a decode attention call: the sequences, the queries per sequence and the keys the
+    block table holds, each rounded up to a power of two (all three vary from step to step; in a vLLM
+    engine the block table's width is the model's length), the heads, head dim, page, dtypes and the
+    contract's KV chunk and split."""
+    q_per_seq = -(-tokens // max(1, num_seqs))
+    return (f"decode-b{_power_of_two_at_least(num_seqs)}-q{_power_of_two_at_least(q_per_seq)}"
+            f"-ctx{_power_of_two_at_least(context)}-h{q_heads}x{kv_heads}-d{head_dim}-p{page}"
+            f"-{_DTYPE_NAMES.get(q_dtype, str(q_dtype))}-kv{_DTYPE_NAMES.get(kv_dtype, str(kv_dtype))}"
+            f"-kc{spec.kv_chunk}-ks{spec.kv_split}")
 
 
 def default_cache_path(device_name: str) -> Path:
@@ -251,6 +278,87 @@ def tune_moe(layers: Iterable[tuple[int, int, int, int, int]], spec: Gemm, *, dt
     return cache
 
 
+KV_CACHE_FORMATS = ("bf16", "e4m3", "e5m2")   # a decode cell's cache: the activation dtype, or [fp8].kv_format
+
+
+def tune_decode(cells: Iterable[tuple[int, int, int, int, int, int, str]], spec: Attention, *, fp8: Fp8 | None = None,
+                dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cuda", cache: TuneCache,
+                timer: Callable[[Callable[[], object]], float] = _device_ms,
+                progress: Callable[[str], None] | None = print, baseline: Callable | None = None,
+                report: list | None = None, max_cache_bytes: int | None = None) -> TuneCache:
+    """Time ``attention.decode_candidates`` for decode attention cells (sequences, keys per sequence, query
+    heads, KV heads, head dim, page size, cache format: "bf16", or "e4m3" / "e5m2" for an FP8 cache by
+    [fp8]'s rules, which needs ``fp8``) and keep the fastest per ``decode_shape_class``, as ``tune_gemm``.
+    Every sequence holds the whole context, its pages in random order; one query token each. A cell whose
+    K/V would exceed ``max_cache_bytes`` is skipped and says so. ``baseline(q, batch, context, kv_heads)``:
+    a stock attention timed beside ours (for the report)."""
+    from hal import fp8 as fp8_rules
+    from hal.backends.cuda.launch import CUDA_LAUNCH_UNTUNED as untuned
+    from hal.kernels import attention
+
+    g = torch.Generator(device=device).manual_seed(0)
+    for batch, context, hq, hkv, d, page, kv in cells:
+        if kv not in KV_CACHE_FORMATS:
+            raise HalError(f"tune: decode cache format {kv!r}; expected one of {KV_CACHE_FORMATS}")
+        if kv != "bf16" and (fp8 is None or fp8.kv_format != kv):
+            raise HalError(f"tune: an {kv} KV cache needs a contract whose [fp8].kv_format is {kv!r} "
+                           f"(this one's: {fp8.kv_format if fp8 else 'no [fp8] section'})")
+        per_seq = -(-context // page)
+        pages = batch * per_seq
+        what = f"decode attention (B={batch}, {context} keys, {hq}/{hkv} heads x {d}, page {page}, {kv} cache)"
+        cache_bytes = 2 * pages * page * hkv * d * (2 if kv == "bf16" else 1)
+        if max_cache_bytes is not None and cache_bytes > max_cache_bytes:
+            if progress:
+                progress(f"  {what}: skipped, its K/V take {cache_bytes / 2**30:.1f} GiB (> {max_cache_bytes / 2**30:.1f})")
+            if report is not None:
+                report.append(dict(op="decode", batch=batch, ctx=context, hq=hq, hkv=hkv, d=d, page=page, kv=kv,
+                                   skipped=f"K/V {cache_bytes} bytes > {max_cache_bytes}"))
+            continue
+        k_cache, v_cache, scales = _random_paged_cache(pages, page, hkv, d, kv, dtype, fp8, fp8_rules, g, device)
+        table = torch.randperm(pages, generator=g, device=device).to(torch.int32).view(batch, per_seq)
+        q = torch.randn(batch, hq, d, generator=g, device=device).to(dtype)
+        query_start = torch.arange(batch + 1, dtype=torch.int32, device=device)
+        seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+
+        def run(config, q=q, k_cache=k_cache, v_cache=v_cache, scales=scales, query_start=query_start,
+                seq_lens=seq_lens, table=table):
+            return attention.paged_attention(q, k_cache, v_cache, query_start, seq_lens, table, d ** -0.5, spec,
+                                             policy=untuned, **scales, **(config or {}))
+        key = decode_shape_class(batch, batch, per_seq * page, hq, hkv, d, page, dtype, k_cache.dtype, spec)
+        candidates = attention.decode_candidates(spec.split_count(per_seq * page), _power_of_two_at_least(hq // hkv))
+        _tune_shape(what, key, run, candidates, cache, timer, progress, report,
+                    dict(op="decode", batch=batch, ctx=context, hq=hq, hkv=hkv, d=d, page=page, kv=kv),
+                    (lambda q=q: baseline(q, batch, context, hkv)) if baseline is not None else None)
+        del k_cache, v_cache, scales, table, q
+    return cache
+
+
+def _random_paged_cache(pages: int, page: int, hkv: int, d: int, kv: str, dtype: torch.dtype, fp8: Fp8 | None,
+                        fp8_rules, g: torch.Generator, device) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Random (pages, page, hkv, d) K and V caches in ``kv`` ("bf16": ``dtype``; else FP8 by [fp8]'s write rule,
+    quantised a slice at a time so that no fp32 copy of the whole cache is ever held), and their scales as
+    ``paged_attention``'s keyword arguments."""
+    shape = (pages, page, hkv, d)
+    if kv == "bf16":
+        return (torch.randn(shape, generator=g, device=device).to(dtype),
+                torch.randn(shape, generator=g, device=device).to(dtype), {})
+    fixed = torch.tensor(1.0, device=device)
+    caches, scales = [], []
+    for _ in range(2):
+        q8 = torch.empty(shape, dtype=fp8_rules.FORMATS[kv], device=device)
+        scale = torch.empty(shape[:3], device=device) if fp8.kv_scale == "per_token_head" else fixed
+        step = max(1, (1 << 24) // (page * hkv * d))                   # pages per slice
+        for p0 in range(0, pages, step):
+            x = torch.randn((min(step, pages - p0) * page, hkv, d), generator=g, device=device).to(dtype)
+            values, s = fp8_rules.quantise_kv(x, fixed, fp8)
+            q8[p0:p0 + step] = values.view(-1, page, hkv, d)
+            if s is not None:
+                scale[p0:p0 + step] = s.view(-1, page, hkv)
+        caches.append(q8)
+        scales.append(scale)
+    return caches[0], caches[1], dict(k_scale=scales[0], v_scale=scales[1])
+
+
 def _fastest_launch(what: str, run: Callable[[dict], torch.Tensor], configs: list[dict], reference: torch.Tensor,
                     position: torch.Tensor, timer: Callable) -> tuple[dict | None, float | None, int, int]:
     """(the fastest configuration, its time, how many were timed, how many did not launch) of ``run``
@@ -346,3 +454,12 @@ def model_moe_layers(config, batches: Iterable[int]) -> list[tuple[int, int, int
         return []
     return [(m, config.num_experts, config.num_experts_per_tok, config.hidden_size, config.moe_intermediate_size)
             for m in batches]
+
+
+def model_decode_cells(config, batches: Iterable[int], contexts: Iterable[int], page: int,
+                       kv_formats: Iterable[str] = ("bf16",)) -> list[tuple[int, int, int, int, int, int, str]]:
+    """The decode attention cells of a ``hal.model.ModelConfig``: (sequences, keys each, query heads, KV heads,
+    head dim, page, cache format) for every batch, context and cache format."""
+    c = config
+    return [(b, ctx, c.num_heads, c.num_kv_heads, c.head_dim, page, kv)
+            for kv in kv_formats for ctx in contexts for b in batches]

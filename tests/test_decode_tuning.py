@@ -1,0 +1,167 @@
+"""Decode attention's launch search (issue #20) under Triton's CPU interpreter: the tuner's candidate set
+keeps the bits, the tuner keeps the fastest bit-equal launch per shape class and refuses one that changes
+bits, and the launch policy hands a tuned launch to the kernel (the call's own overrides still win).
+
+The interpreter ignores warps, stages and register caps, so here only the launch choices that change the
+program structure can differ (parallel or walked splits, splits per program, a GQA group over two
+programs); the GPU side, every candidate bit-checked and timed, is ``hal tune`` / bench/decode_tune_gpu.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from conftest import backend_for_tests
+
+from hal.contract import load_contract
+from hal.kvcache import build_metadata
+
+pytest.importorskip("triton")
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+DENSE = load_contract("bf16-dense-v1")
+FP8 = load_contract("bf16-fp8-v1")
+
+
+@pytest.fixture(scope="module")
+def cuda():
+    return backend_for_tests("cuda")
+
+
+def _decode_call(seq_lens, hq, hkv, d, page, seed=0):
+    """Random bf16 K/V for sequences of ``seq_lens`` keys (pages in a shuffled order) and one query each."""
+    g = torch.Generator().manual_seed(seed)
+    per_seq = max(-(-n // page) for n in seq_lens)
+    pages = len(seq_lens) * per_seq
+    k = torch.randn(pages, page, hkv, d, generator=g).bfloat16()
+    v = torch.randn(pages, page, hkv, d, generator=g).bfloat16()
+    order = torch.randperm(pages, generator=g).view(len(seq_lens), per_seq).tolist()
+    meta = build_metadata([1] * len(seq_lens), list(seq_lens), order)
+    q = torch.randn(len(seq_lens), hq, d, generator=g).bfloat16()
+    return q, k, v, meta
+
+
+def _structure(config):
+    """The part of a launch the interpreter runs differently (warps, stages, registers: the GPU's)."""
+    return (config.get("split_parallel"), config.get("splits_per_program", 1), config.get("head_split", 1))
+
+
+def test_every_decode_candidate_gives_the_same_bits(cuda):
+    """``attention.decode_candidates`` for sequences crossing the contract's KV chunk (64) and split (512):
+    every structurally distinct candidate gives the bits of the kernel's own launch. Negative control: a
+    halved kv_split reaches the bits."""
+    from hal.backends.cuda.launch import CUDA_LAUNCH
+    from hal.kernels import attention
+
+    spec = DENSE.attention
+    q, k, v, meta = _decode_call([1100, 70, 530], hq=4, hkv=2, d=16, page=16)
+    args = (q, k, v, meta.query_start_loc, meta.seq_lens, meta.block_table, 16 ** -0.5)
+    own = attention.paged_attention(*args, spec, policy=CUDA_LAUNCH)
+    max_splits = spec.split_count(meta.block_table.shape[1] * 16)
+    assert max_splits == 3
+    candidates = attention.decode_candidates(max_splits, group_pad=2)
+    distinct = {_structure(c): c for c in candidates}
+    assert set(distinct) == {(True, spp, hs) for spp in (1, 2, 4) for hs in (1, 2) if hs == 1 or spp < 4} | {
+        (False, 1, 1)}
+    for config in distinct.values():
+        out = attention.paged_attention(*args, spec, policy=CUDA_LAUNCH, **config)
+        assert torch.equal(out, own), config
+    half_split = dataclasses.replace(spec, kv_split=spec.kv_split // 2)
+    assert not torch.equal(attention.paged_attention(*args, half_split, policy=CUDA_LAUNCH), own)
+    # one split: no parallel-split candidate (it would only add the merge kernel)
+    assert all(c["split_parallel"] is False for c in attention.decode_candidates(1, group_pad=4))
+    assert not any("head_split" in c for c in attention.decode_candidates(8, group_pad=1))
+
+
+def test_decode_tuner_keeps_the_fastest_bit_equal_launch_and_refuses_one_that_changes_bits(cuda, tmp_path,
+                                                                                           monkeypatch):
+    """``tune_decode`` with a stand-in timer (each timing faster than the one before): the cache holds the last
+    candidate under the cell's shape class, which every batch and context of the class shares; a cell too
+    large for ``max_cache_bytes`` is skipped and reported; a candidate whose output differs stops tuning."""
+    from hal.errors import HalError
+    from hal.kernels import attention, tuning
+
+    spec = DENSE.attention
+    timings = iter(range(10**6, 0, -1))
+    cache, report = tuning.TuneCache("cpu (interpreter)", "x"), []
+    cell = (2, 600, 4, 2, 16, 16, "bf16")
+    tuning.tune_decode([cell, (64, 32768, 4, 2, 16, 16, "bf16")], spec, dtype=torch.bfloat16, device="cpu",
+                       cache=cache, timer=lambda fn: (fn(), next(timings))[1], progress=None, report=report,
+                       max_cache_bytes=1 << 20)
+    key = tuning.decode_shape_class(2, 2, 608, 4, 2, 16, 16, torch.bfloat16, torch.bfloat16, spec)
+    assert key == tuning.decode_shape_class(2, 2, 1024, 4, 2, 16, 16, torch.bfloat16, torch.bfloat16, spec)
+    assert key != tuning.decode_shape_class(3, 3, 608, 4, 2, 16, 16, torch.bfloat16, torch.bfloat16, spec)
+    assert key != tuning.decode_shape_class(2, 2, 608, 4, 2, 16, 16, torch.bfloat16, torch.float8_e4m3fn, spec)
+    candidates = attention.decode_candidates(2, 2)
+    assert cache.config(key) == candidates[-1] and cache.entries[key]["candidates"] == len(candidates)
+    assert len(cache.entries) == 1 and isinstance(report[-1]["skipped"], str) and report[0]["config"] == candidates[-1]
+
+    real = attention.paged_attention
+
+    def planted(*a, **kw):
+        out = real(*a, **kw)
+        if kw.get("head_split") == 2:
+            out[0, 0, 0] = out[0, 0, 0] * 2 + 1
+        return out
+    monkeypatch.setattr(attention, "paged_attention", planted)
+    with pytest.raises(HalError, match="gives other bits than the kernel's own"):
+        tuning.tune_decode([cell], spec, device="cpu", cache=tuning.TuneCache("c", "x"), timer=lambda fn: 1.0,
+                           progress=None)
+    with pytest.raises(HalError, match="needs a contract whose"):
+        tuning.tune_decode([(1, 64, 2, 1, 16, 16, "e4m3")], spec, device="cpu", cache=cache, progress=None)
+
+
+def test_decode_tuner_times_fp8_caches_by_the_contract_write_rule(cuda):
+    """An FP8 cell's cache is written by [fp8]'s rule (per token-head scales), its candidates bit-checked
+    against the kernel's own launch over that cache."""
+    from hal.kernels import attention, tuning
+
+    cache = tuning.TuneCache("cpu (interpreter)", "x")
+    timings = iter(range(10**6, 0, -1))
+    tuning.tune_decode([(1, 600, 2, 1, 16, 16, "e4m3")], FP8.attention, fp8=FP8.fp8, device="cpu", cache=cache,
+                       timer=lambda fn: (fn(), next(timings))[1], progress=None)
+    key = tuning.decode_shape_class(1, 1, 608, 2, 1, 16, 16, torch.bfloat16, torch.float8_e4m3fn, FP8.attention)
+    assert cache.config(key) == attention.decode_candidates(2, 2)[-1]
+
+
+def test_the_launch_policy_hands_a_tuned_decode_launch_to_the_kernel(cuda, monkeypatch):
+    """A tuning cache entry for the call's shape class reaches the kernel's launch (grid and meta-parameters);
+    the call's own overrides replace it; a prefill-shaped call never asks. The bits stay the rule's."""
+    from hal.backends.cuda import launch as cuda_launch
+    from hal.kernels import attention, tuning
+
+    spec = DENSE.attention
+    q, k, v, meta = _decode_call([1100, 70], hq=4, hkv=2, d=16, page=16)
+    args = (q, k, v, meta.query_start_loc, meta.seq_lens, meta.block_table, 16 ** -0.5, spec)
+    own = attention.paged_attention(*args, policy=cuda_launch.CUDA_LAUNCH)
+    key = tuning.decode_shape_class(2, 2, meta.block_table.shape[1] * 16, 4, 2, 16, 16, torch.bfloat16,
+                                    torch.bfloat16, spec)
+    tuned = dict(split_parallel=True, splits_per_program=2, head_split=2, num_warps=8, num_stages=3)
+    cache = tuning.TuneCache("cpu (interpreter)", "x", {key: {"config": tuned}})
+    monkeypatch.setattr(cuda_launch, "_tuning_cache", lambda: cache)
+    cuda_launch._decode_config.cache_clear()
+    launches = []
+    real_launch = attention.launch
+
+    def spy(kernel, grid, *a, **meta_args):
+        launches.append((kernel, grid, meta_args))
+        return real_launch(kernel, grid, *a, **meta_args)
+    monkeypatch.setattr(attention, "launch", spy)
+    try:
+        out = attention.paged_attention(*args, policy=cuda_launch.CUDA_LAUNCH)
+        assert torch.equal(out, own)
+        (kernel, grid, meta_args), merge = launches[0], launches[1]
+        assert kernel is attention._attention_kernel and merge[0] is attention._merge_kernel
+        assert meta_args["HEAD_SPLIT"] == 2 and meta_args["SPLITS_PER_PROGRAM"] == 2
+        assert meta_args["num_warps"] == 8 and meta_args["num_stages"] == 3
+        assert grid == (2 * 2, 2, 2)                         # (kv heads x head split, split programs, tiles)
+        launches.clear()
+        attention.paged_attention(*args, policy=cuda_launch.CUDA_LAUNCH, split_parallel=False, num_warps=4)
+        assert len(launches) == 1 and launches[0][2]["num_warps"] == 4 and launches[0][2]["HEAD_SPLIT"] == 2
+        launches.clear()
+        attention.paged_attention(*args, policy=cuda_launch.CUDA_LAUNCH_UNTUNED)
+        assert launches[0][2]["HEAD_SPLIT"] == 1                  # the tuner's baseline never reads the cache
+    finally:
+        cuda_launch._decode_config.cache_clear()
