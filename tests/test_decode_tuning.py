@@ -71,7 +71,8 @@ def test_every_decode_candidate_gives_the_same_bits(cuda):
     half_split = dataclasses.replace(spec, kv_split=spec.kv_split // 2)
     assert not torch.equal(attention.paged_attention(*args, half_split, policy=CUDA_LAUNCH), own)
     # one split: no parallel-split candidate (it would only add the merge kernel)
-    assert all(c["split_parallel"] is False for c in attention.decode_candidates(1, group_pad=4))
+    one_split = attention.decode_candidates(1, group_pad=4)
+    assert all(c["split_parallel"] is False for c in one_split) and any(c.get("head_split") for c in one_split)
     assert not any("head_split" in c for c in attention.decode_candidates(8, group_pad=1))
 
 
