@@ -99,6 +99,13 @@ def main(argv=None) -> int:
         log(f"[{time.time() - t0:5.0f}s]{line}{extra}")
         cache.save(args.cache)
 
+    def write() -> dict:
+        s = summary(rows)
+        with open(args.json, "w") as f:
+            json.dump(dict(device=device, triton=triton.__version__, contract=contract, cells_planned=len(todo),
+                           seconds=time.time() - t0, summary=s, rows=rows), f, indent=1)
+        return s
+
     for i, cell in enumerate(todo):
         if time.time() - t0 > args.budget_s:
             log(f"budget reached after {i} of {len(todo)} cells")
@@ -107,14 +114,8 @@ def main(argv=None) -> int:
                            progress=progress, baseline=_sdpa_decode if cell[-1] == "bf16" else None, report=rows,
                            max_cache_bytes=torch.cuda.mem_get_info()[0] // 4)
         torch.cuda.empty_cache()
-        with open(args.json, "w") as f:
-            json.dump(dict(device=device, triton=triton.__version__, contract=contract, cells_planned=len(todo),
-                           seconds=time.time() - t0, summary=summary(rows), rows=rows), f, indent=1)
-    s = summary(rows)
-    log(json.dumps(s, indent=1))
-    with open(args.json, "w") as f:
-        json.dump(dict(device=device, triton=triton.__version__, contract=contract, cells_planned=len(todo),
-                       seconds=time.time() - t0, summary=s, rows=rows), f, indent=1)
+        write()                 # after every cell: a run cut short keeps what it measured
+    log(json.dumps(write(), indent=1))
     return 0
 
 

@@ -44,12 +44,22 @@ log = logging.getLogger(__name__)
 
 FORMAT = 1
 
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16",
+                torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return _DTYPE_NAMES.get(dtype, str(dtype))
+
+
+def _power_of_two_at_least(x: int) -> int:
+    """The class of a count that varies from call to call (tokens, slots, sequences, keys): x rounded up."""
+    return 1 << max(0, (max(1, x) - 1).bit_length())
+
 
 def shape_class(m: int, n: int, k: int, in_dtype: torch.dtype, out_dtype: torch.dtype, k_chunk: int) -> str:
     """The cache key of a GEMM: M rounded up to a power of two (decode batches vary step by step)."""
-    m_class = 1 << max(0, (max(1, m) - 1).bit_length())
-    name = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}
-    return f"m{m_class}-n{n}-k{k}-{name.get(in_dtype, str(in_dtype))}-{name.get(out_dtype, str(out_dtype))}-kc{k_chunk}"
+    return f"m{_power_of_two_at_least(m)}-n{n}-k{k}-{_dtype_name(in_dtype)}-{_dtype_name(out_dtype)}-kc{k_chunk}"
 
 
 def fp8_shape_class(m: int, n: int, k: int, spec: Fp8, out_dtype: torch.dtype) -> str:
@@ -62,17 +72,7 @@ def fp8_shape_class(m: int, n: int, k: int, spec: Fp8, out_dtype: torch.dtype) -
 def moe_shape_class(slots: int, num_experts: int, hidden: int, inter: int, dtype: torch.dtype, k_chunk: int) -> str:
     """The cache key of an MoE layer's grouped expert GEMMs: its (token, rank) slots rounded up to a power
     of two, the experts, hidden and expert widths, the activation dtype and k_chunk."""
-    s_class = 1 << max(0, (max(1, slots) - 1).bit_length())
-    name = {torch.bfloat16: "bf16", torch.float32: "fp32"}.get(dtype, str(dtype))
-    return f"moe-s{s_class}-e{num_experts}-h{hidden}-i{inter}-{name}-kc{k_chunk}"
-
-
-_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16",
-                torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
-
-
-def _power_of_two_at_least(x: int) -> int:
-    return 1 << max(0, (max(1, x) - 1).bit_length())
+    return f"moe-s{_power_of_two_at_least(slots)}-e{num_experts}-h{hidden}-i{inter}-{_dtype_name(dtype)}-kc{k_chunk}"
 
 
 def decode_shape_class(tokens: int, num_seqs: int, context: int, q_heads: int, kv_heads: int, head_dim: int,
@@ -84,7 +84,7 @@ def decode_shape_class(tokens: int, num_seqs: int, context: int, q_heads: int, k
     q_per_seq = -(-tokens // max(1, num_seqs))
     return (f"decode-b{_power_of_two_at_least(num_seqs)}-q{_power_of_two_at_least(q_per_seq)}"
             f"-ctx{_power_of_two_at_least(context)}-h{q_heads}x{kv_heads}-d{head_dim}-p{page}"
-            f"-{_DTYPE_NAMES.get(q_dtype, str(q_dtype))}-kv{_DTYPE_NAMES.get(kv_dtype, str(kv_dtype))}"
+            f"-{_dtype_name(q_dtype)}-kv{_dtype_name(kv_dtype)}"
             f"-kc{spec.kv_chunk}-ks{spec.kv_split}")
 
 
@@ -292,7 +292,6 @@ def tune_decode(cells: Iterable[tuple[int, int, int, int, int, int, str]], spec:
     Every sequence holds the whole context, its pages in random order; one query token each. A cell whose
     K/V would exceed ``max_cache_bytes`` is skipped and says so. ``baseline(q, batch, context, kv_heads)``:
     a stock attention timed beside ours (for the report)."""
-    from hal import fp8 as fp8_rules
     from hal.backends.cuda.launch import CUDA_LAUNCH_UNTUNED as untuned
     from hal.kernels import attention
 
@@ -314,7 +313,7 @@ def tune_decode(cells: Iterable[tuple[int, int, int, int, int, int, str]], spec:
                 report.append(dict(op="decode", batch=batch, ctx=context, hq=hq, hkv=hkv, d=d, page=page, kv=kv,
                                    skipped=f"K/V {cache_bytes} bytes > {max_cache_bytes}"))
             continue
-        k_cache, v_cache, scales = _random_paged_cache(pages, page, hkv, d, kv, dtype, fp8, fp8_rules, g, device)
+        k_cache, v_cache, scales = _random_paged_cache(pages, page, hkv, d, kv, dtype, fp8, g, device)
         table = torch.randperm(pages, generator=g, device=device).to(torch.int32).view(batch, per_seq)
         q = torch.randn(batch, hq, d, generator=g, device=device).to(dtype)
         query_start = torch.arange(batch + 1, dtype=torch.int32, device=device)
@@ -334,10 +333,12 @@ def tune_decode(cells: Iterable[tuple[int, int, int, int, int, int, str]], spec:
 
 
 def _random_paged_cache(pages: int, page: int, hkv: int, d: int, kv: str, dtype: torch.dtype, fp8: Fp8 | None,
-                        fp8_rules, g: torch.Generator, device) -> tuple[torch.Tensor, torch.Tensor, dict]:
+                        g: torch.Generator, device) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """Random (pages, page, hkv, d) K and V caches in ``kv`` ("bf16": ``dtype``; else FP8 by [fp8]'s write rule,
     quantised a slice at a time so that no fp32 copy of the whole cache is ever held), and their scales as
     ``paged_attention``'s keyword arguments."""
+    from hal import fp8 as fp8_rules
+
     shape = (pages, page, hkv, d)
     if kv == "bf16":
         return (torch.randn(shape, generator=g, device=device).to(dtype),
