@@ -30,7 +30,8 @@
 #   FP8SM90_ARGS   fp8_sm90_gpu.py's arguments for `fp8sm90` (default: bits and speed)
 #   FP8MOE_ARGS    fp8_moe_gpu.py's arguments for `fp8moe` (default "--model"); FP8MOE_KIT=0 skips its kit cells
 #   DECODE_LAUNCH_ARGS  decode_launch_gpu.py's arguments for `decode-launch` (e.g. --variants default,spp2)
-#   DECODE_TUNE_ARGS    decode_tune_gpu.py's arguments for `decode-tune` (e.g. "--heads 32/8/128 --budget-s 300")
+#   DECODE_TUNE_ARGS    decode_tune_gpu.py's arguments for `decode-tune` (e.g. "--heads 32/8/128 --budget-s 300");
+#                  with the vLLM bundle unpacked, vLLM's FlashAttention-3 is timed beside SDPA
 #   FP8_ARGS       fp8_gpu.py's arguments for `fp8` (default "--quick"); FP8_TAG names its files; with the vLLM
 #                  bundle unpacked its block-FP8 GEMMs are timed beside ours; HAL_TUNE_CACHE (tune section's
 #                  --tune-cache) is where its tuning cache goes / is read
@@ -157,7 +158,9 @@ for step in $steps; do
     decode-launch) # decode attention's launch choices (register caps, stages, splits) over bf16 and FP8 caches
            python3 "$repo/bench/decode_launch_gpu.py" ${DECODE_LAUNCH_ARGS:-} --json "$out/decode_launch.json" > "$out/decode_launch.log" 2>&1 || status=1
            tail -n 60 "$out/decode_launch.log" ;;
-    decode-tune) # decode attention's launch search (hal tune's decode cells): every candidate bit-checked, timed, vs SDPA
+    decode-tune) # decode attention's launch search (hal tune's decode cells): every candidate bit-checked, timed,
+           # vs SDPA and, with the vLLM bundle's parts carried (vllm-part), vLLM's FlashAttention-3
+           [ -d /tmp/vllm-parts ] && { vllm_env || true; }
            python3 "$repo/bench/decode_tune_gpu.py" ${DECODE_TUNE_ARGS:-} --json "$out/decode_tune.json" \
              --cache "$out/decode_tune_cache.json" > "$out/decode_tune.log" 2>&1 || status=1
            tail -n 40 "$out/decode_tune.log" ;;

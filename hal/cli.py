@@ -281,8 +281,9 @@ def _tune(args) -> int:
     return 0
 
 
-def _sdpa_decode(q, batch: int, context: int, kv_heads: int):
-    """torch's SDPA for one query token per sequence over contiguous K/V (its default dispatch)."""
+def _sdpa_decode(q, batch: int, context: int, kv_heads: int, paged: dict | None = None):
+    """torch's SDPA for one query token per sequence over contiguous K/V of its own (its default dispatch;
+    ``paged``, the tuner's paged cache, is not read): the K/V are made here once, the returned call is timed."""
     import torch
     import torch.nn.functional as F
 

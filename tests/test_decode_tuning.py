@@ -114,6 +114,38 @@ def test_decode_tuner_keeps_the_fastest_bit_equal_launch_and_refuses_one_that_ch
         tuning.tune_decode([(1, 64, 2, 1, 16, 16, "e4m3")], spec, device="cpu", cache=cache, progress=None)
 
 
+def test_decode_tuner_times_the_stock_kernels_it_is_given_not_their_set_up(cuda):
+    """``baseline`` is built once per cell (with the cell's paged cache) and what it returns is what is timed:
+    each named stock kernel's time is reported and the fastest is ``baseline_ms``; one that raises is reported
+    with its error. Negative control: the timer is handed the stock call itself, so a baseline whose set-up
+    ran inside the timed call (a previous version's bug: new random K/V per timed call) would be seen here."""
+    from hal.kernels import tuning
+
+    builds, runs = [], []
+
+    def baseline(q, batch, context, kv_heads, paged):
+        builds.append((batch, context, kv_heads, paged["page"], tuple(paged["block_table"].shape)))
+
+        def broken():
+            raise RuntimeError("page size not supported")
+        return {"fast": lambda: runs.append("fast"), "slow": lambda: runs.append("slow"), "broken": broken}
+
+    def timer(fn):
+        before = len(runs)
+        fn()
+        ran = runs[before:]
+        return {("fast",): 1.0, ("slow",): 3.0}.get(tuple(ran), 2.0)   # our own launches: 2.0
+
+    report = []
+    tuning.tune_decode([(2, 600, 4, 2, 16, 16, "bf16")], DENSE.attention, device="cpu",
+                       cache=tuning.TuneCache("cpu (interpreter)", "x"), timer=timer, progress=None, report=report,
+                       baseline=baseline)
+    assert builds == [(2, 600, 2, 16, (2, 38))]                 # once, with the cell's own paged cache
+    row = report[0]
+    assert row["baselines_ms"] == {"fast": 1.0, "slow": 3.0} and row["baseline_ms"] == 1.0
+    assert "page size not supported" in row["baseline_errors"]["broken"]
+
+
 def test_decode_tuner_times_fp8_caches_by_the_contract_write_rule(cuda):
     """An FP8 cell's cache is written by [fp8]'s rule (per token-head scales), its candidates bit-checked
     against the kernel's own launch over that cache."""

@@ -290,8 +290,11 @@ def tune_decode(cells: Iterable[tuple[int, int, int, int, int, int, str]], spec:
     heads, KV heads, head dim, page size, cache format: "bf16", or "e4m3" / "e5m2" for an FP8 cache by
     [fp8]'s rules, which needs ``fp8``) and keep the fastest per ``decode_shape_class``, as ``tune_gemm``.
     Every sequence holds the whole context, its pages in random order; one query token each. A cell whose
-    K/V would exceed ``max_cache_bytes`` is skipped and says so. ``baseline(q, batch, context, kv_heads)``:
-    a stock attention timed beside ours (for the report)."""
+    K/V would exceed ``max_cache_bytes`` is skipped and says so. ``baseline(q, batch, context, kv_heads, paged)``
+    builds, once per cell, the stock attention timed beside ours (for the report): a zero-argument callable,
+    or a dict of them by name (each timed; the report keeps every time and the fastest as ``baseline_ms``).
+    ``paged``: this cell's cache as ``paged_attention`` reads it (``k_cache``, ``v_cache``, ``query_start``,
+    ``seq_lens``, ``block_table``, ``page``), for a stock kernel that reads a paged cache."""
     from hal.backends.cuda.launch import CUDA_LAUNCH_UNTUNED as untuned
     from hal.kernels import attention
 
@@ -325,10 +328,12 @@ def tune_decode(cells: Iterable[tuple[int, int, int, int, int, int, str]], spec:
                                              policy=untuned, **scales, **(config or {}))
         key = decode_shape_class(batch, batch, per_seq * page, hq, hkv, d, page, dtype, k_cache.dtype, spec)
         candidates = attention.decode_candidates(spec.split_count(per_seq * page), _power_of_two_at_least(hq // hkv))
+        paged = dict(k_cache=k_cache, v_cache=v_cache, query_start=query_start, seq_lens=seq_lens,
+                     block_table=table, page=page)
+        stock = baseline(q, batch, context, hkv, paged) if baseline is not None else None   # built once, timed
         _tune_shape(what, key, run, candidates, cache, timer, progress, report,
-                    dict(op="decode", batch=batch, ctx=context, hq=hq, hkv=hkv, d=d, page=page, kv=kv),
-                    (lambda q=q: baseline(q, batch, context, hkv)) if baseline is not None else None)
-        del k_cache, v_cache, scales, table, q
+                    dict(op="decode", batch=batch, ctx=context, hq=hq, hkv=hkv, d=d, page=page, kv=kv), stock)
+        del k_cache, v_cache, scales, table, q, paged, stock
     return cache
 
 
@@ -384,10 +389,12 @@ def _fastest_launch(what: str, run: Callable[[dict], torch.Tensor], configs: lis
 
 def _tune_shape(what: str, key: str, run: Callable[[dict | None], torch.Tensor], configs: list[dict],
                 cache: TuneCache, timer: Callable, progress: Callable[[str], None] | None, report: list | None,
-                shape: dict, stock: Callable[[], object] | None) -> None:
+                shape: dict, stock: Callable[[], object] | dict[str, Callable[[], object]] | None) -> None:
     """Time ``run(config)`` for every configuration against ``run(None)`` (the kernel's own launch), check
     each gives the same bits, and keep the fastest in ``cache`` under ``key`` (nothing if the own launch
-    is the fastest). A configuration that fails to launch (e.g. out of shared memory) is counted, not kept."""
+    is the fastest). A configuration that fails to launch (e.g. out of shared memory) is counted, not kept.
+    ``stock``: the stock kernel (or several, by name) timed beside ours for the report; one that fails to
+    run is reported with its error, not timed."""
     reference = run(None)
     default_ms = timer(lambda: run(None))
     best, best_ms, tried, skipped = None, default_ms, 0, 0
@@ -410,13 +417,24 @@ def _tune_shape(what: str, key: str, run: Callable[[dict | None], torch.Tensor],
                               "skipped": skipped}
     else:
         cache.entries.pop(key, None)      # the kernel's own table is the fastest: nothing to override
-    stock_ms = timer(stock) if stock is not None else None
+    stocks = stock if isinstance(stock, dict) else {"stock": stock} if stock is not None else {}
+    stocks_ms, stock_errors = {}, {}
+    for name, fn in stocks.items():
+        try:
+            stocks_ms[name] = timer(fn)
+        except Exception as exc:         # e.g. a stock kernel that does not take this page size: said, not timed
+            stock_errors[name] = f"{type(exc).__name__}: {str(exc)[:160]}"
+    stock_ms = min(stocks_ms.values(), default=None)
     if report is not None:
-        report.append(dict(shape, key=key, default_ms=default_ms, best_ms=best_ms, config=best, candidates=tried,
-                           skipped=skipped, baseline_ms=stock_ms))
+        row = dict(shape, key=key, default_ms=default_ms, best_ms=best_ms, config=best, candidates=tried,
+                   skipped=skipped, baseline_ms=stock_ms)
+        if isinstance(stock, dict):
+            row.update(baselines_ms=stocks_ms, baseline_errors=stock_errors)
+        report.append(row)
     if progress:
-        stock_text = (f", stock {stock_ms * 1e3:8.1f} us (ours {stock_ms / best_ms:.2f}x)"
-                      if stock_ms is not None else "")
+        stock_text = "".join(f", {name} {ms * 1e3:8.1f} us" for name, ms in stocks_ms.items())
+        stock_text += f" (ours {stock_ms / best_ms:.2f}x the fastest)" if stock_ms is not None else ""
+        stock_text += "".join(f", {name} failed: {error}" for name, error in stock_errors.items())
         progress(f"  {key:44} {tried:3} candidates ({skipped} did not launch), default {default_ms * 1e3:8.1f} us, "
                  f"best {best_ms * 1e3:8.1f} us ({default_ms / best_ms:.2f}x){stock_text}")
 
