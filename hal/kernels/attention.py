@@ -544,9 +544,10 @@ def decode_candidates(max_splits: int, group_pad: int) -> list[dict]:
     """``paged_attention`` overrides for a decode call whose block table holds ``max_splits`` splits and
     whose GQA group pads to ``group_pad`` query heads; none repeats another's launch."""
     walk = [dict(split_parallel=False, num_warps=4, num_stages=stages, maxnreg=registers)
-            for stages, registers in _DECODE_STAGES_REGISTERS[:1] + _DECODE_STAGES_REGISTERS[3:4]]
+            for stages, registers in _DECODE_STAGES_REGISTERS[:1] + _DECODE_STAGES_REGISTERS[3:]]
+    walk.append(dict(walk[0], num_warps=8))
     if max_splits == 1:     # one split: parallel splits would only add the merge kernel
-        return walk + [dict(walk[0], num_warps=8)] + ([dict(walk[0], head_split=2)] if group_pad >= 2 else [])
+        return walk + ([dict(walk[0], head_split=2)] if group_pad >= 2 else [])
     out = [dict(split_parallel=True, splits_per_program=spp, num_warps=4, num_stages=stages, maxnreg=registers)
            for spp in (1, 2, 4) if spp == 1 or spp < 2 * max_splits        # more than all splits: the same launch
            for stages, registers in _DECODE_STAGES_REGISTERS]
