@@ -98,6 +98,7 @@ def test_decode_tuner_keeps_the_fastest_bit_equal_launch_and_refuses_one_that_ch
     candidates = attention.decode_candidates(2, 2)
     assert cache.config(key) == candidates[-1] and cache.entries[key]["candidates"] == len(candidates)
     assert len(cache.entries) == 1 and isinstance(report[-1]["skipped"], str) and report[0]["config"] == candidates[-1]
+    assert [config for config, _ in report[0]["timings"]] == candidates     # every candidate's time, for rule fits
 
     real = attention.paged_attention
 

@@ -398,6 +398,7 @@ def _tune_shape(what: str, key: str, run: Callable[[dict | None], torch.Tensor],
     reference = run(None)
     default_ms = timer(lambda: run(None))
     best, best_ms, tried, skipped = None, default_ms, 0, 0
+    timings = []                          # (configuration, ms) of every candidate: a launch rule is fitted on these
     for config in configs:
         try:
             out = run(config)
@@ -410,6 +411,7 @@ def _tune_shape(what: str, key: str, run: Callable[[dict | None], torch.Tensor],
                            f"launch choices must not change bits (a kernel bug; report it)")
         ms = timer(lambda: run(config))
         tried += 1
+        timings.append([config, ms])
         if ms < best_ms:
             best, best_ms = config, ms
     if best is not None:
@@ -427,7 +429,7 @@ def _tune_shape(what: str, key: str, run: Callable[[dict | None], torch.Tensor],
     stock_ms = min(stocks_ms.values(), default=None)
     if report is not None:
         row = dict(shape, key=key, default_ms=default_ms, best_ms=best_ms, config=best, candidates=tried,
-                   skipped=skipped, baseline_ms=stock_ms)
+                   skipped=skipped, baseline_ms=stock_ms, timings=timings)
         if isinstance(stock, dict):
             row.update(baselines_ms=stocks_ms, baseline_errors=stock_errors)
         report.append(row)
