@@ -99,7 +99,9 @@ def main(argv=None) -> int:
                                                          **c["scales"], **overrides)
             want = run({})
             programs = batch * hkv * cuda.contract.attention.split_count(ctx)
-            bf16_rule = attention_kernels._decode_launch(programs, cuda._launch.multiprocessors(q.device), False)
+            bf16_rule = attention_kernels._decode_launch(programs, cuda._launch.multiprocessors(q.device), False,
+                                                         max_splits=cuda.contract.attention.split_count(ctx), head_dim=d,
+                                                         page=page)
             for name in names:
                 overrides = bf16_rule if VARIANTS[name] == "bf16-rule" else VARIANTS[name]
                 out = run(overrides)

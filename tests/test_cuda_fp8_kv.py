@@ -230,16 +230,17 @@ def test_fp8_decode_takes_the_register_capped_launch_only_once_its_programs_fill
     """The launch rule (``attention._decode_launch``; its bits are the default's on the GPU:
     bench/decode_launch_gpu.py): an FP8 cache's decode programs, once more than the multiprocessors, run
     one split each under a 128-register cap with 3 stages (four programs a multiprocessor); fewer
-    programs, and every bf16 cache, keep the bf16 rule (no cap, 5 stages)."""
+    programs keep 4 warps and no cap at head dim 64."""
     from hal.kernels.attention import _decode_launch
 
     sms = 132
     for programs in (133, 512, 4096, 16 * sms + 1):
-        assert _decode_launch(programs, sms, kv_fp8=True) == dict(splits_per_program=1, num_stages=3, maxnreg=128)
+        for head_dim in (64, 128):
+            launch = _decode_launch(programs, sms, kv_fp8=True, max_splits=4, head_dim=head_dim, page=16)
+            assert (launch["splits_per_program"], launch["num_stages"], launch["maxnreg"]) == (1, 3, 128)
+            assert launch["split_parallel"] and launch["num_warps"] == 4
     for programs in (1, 64, sms):
-        assert _decode_launch(programs, sms, kv_fp8=True) == _decode_launch(programs, sms, kv_fp8=False)
-    # the bf16 rule: two splits in the partial-wave band and past 16 programs a multiprocessor, never a cap
-    assert [_decode_launch(p, sms, kv_fp8=False)["splits_per_program"] for p in (64, 400, 528, 600, 16 * sms + 1)] \
-        == [1, 2, 2, 1, 2]
-    assert all(_decode_launch(p, sms, kv_fp8=False)["maxnreg"] == 0 for p in (1, 600, 10**5))
-    assert _decode_launch(10**5, 0, kv_fp8=True) == dict(splits_per_program=1, num_stages=5, maxnreg=0)
+        launch = _decode_launch(programs, sms, kv_fp8=True, max_splits=4, head_dim=64, page=16)
+        assert launch["maxnreg"] == 0 and launch["num_stages"] == 5
+    assert _decode_launch(10**5, 0, kv_fp8=True, max_splits=4, head_dim=64, page=16) == \
+        dict(splits_per_program=1, num_stages=5, maxnreg=0)

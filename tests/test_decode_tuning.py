@@ -199,3 +199,30 @@ def test_the_launch_policy_hands_a_tuned_decode_launch_to_the_kernel(cuda, monke
         assert launches[0][2]["HEAD_SPLIT"] == 1                  # the tuner's baseline never reads the cache
     finally:
         cuda_launch._decode_config.cache_clear()
+
+
+def test_the_decode_rule_always_picks_a_launch_the_tuner_bit_checks():
+    """``attention._decode_launch`` chooses among ``decode_candidates`` (whose bits the tuner and the test
+    above check against each other) for every program count, split count, head dim, page and cache format
+    the rule distinguishes; so the rule's choices need no bit check of their own. The negative control: a
+    launch outside the set (16 warps) is recognised as outside it."""
+    from hal.kernels import attention
+
+    def normal(config):
+        walked = not config.get("split_parallel", True)
+        return (walked, 1 if walked else config.get("splits_per_program", 1), config.get("num_warps", 4),
+                config.get("num_stages", 5), config.get("maxnreg", 0), config.get("head_split", 1))
+
+    sms, picked = 132, set()
+    for max_splits in (1, 2, 3, 4, 16, 64):
+        for walkers in (1, 8, 32, 64, 66, 128, 256, 396, 512, 2048):
+            for head_dim in (32, 64, 96, 128, 256):
+                for page in (16, 32, 64, 128):
+                    for kv_fp8 in (False, True):
+                        pick = attention._decode_launch(walkers * max_splits, sms, kv_fp8, max_splits=max_splits,
+                                                        head_dim=head_dim, page=page)
+                        allowed = {normal(c) for c in attention.decode_candidates(max_splits, 4)}
+                        assert normal(pick) in allowed, (walkers, max_splits, head_dim, page, kv_fp8, pick)
+                        picked.add(normal(pick))
+    assert len(picked) >= 8                                   # the rule does use the search's launches
+    assert normal(dict(split_parallel=True, num_warps=16)) not in {normal(c) for c in attention.decode_candidates(4, 4)}

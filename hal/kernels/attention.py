@@ -499,22 +499,30 @@ def _token_rows_descriptor(cache: torch.Tensor, kv_chunk: int):
     return TensorDescriptor(cache, [cdiv(span, rows), rows], [rows, 1], [kv_chunk, cache.shape[3]])
 
 
-def _decode_launch(programs: int, sms: int, kv_fp8: bool) -> dict:
-    """The decode launch (splits per program, stages, register cap; 4 warps) from the number of one-split
-    programs, the multiprocessors and the cache's format.
+def _decode_launch(programs: int, sms: int, kv_fp8: bool, *, max_splits: int, head_dim: int, page: int) -> dict:
+    """The decode launch (parallel or walked splits, splits per program, warps, stages, register cap; one
+    program per GQA group) from the number of one-split programs, the multiprocessors, the block table's
+    splits, the head dim, the page size and the cache's format. Always one of ``decode_candidates``, so ``hal tune``'s bit
+    checks cover it; ``bench/decode_rule_fit.py`` scores it on a launch search's every-candidate times.
 
-    bf16 (or fp32) caches: one-split programs run 2 to a multiprocessor (207-222 registers on Triton 3.6,
-    70 KB of shared memory); when they need a partial last wave (between 3 and 4 per multiprocessor:
-    B = 1 x 32k or 8 x 4096 keys, 512 programs on 132), programs of two splits fit in fewer waves: 1.17 /
-    1.27x faster there (H200). Elsewhere one split (two: 1.7x slower at 64 programs, 2-5% slower at 4096
-    programs and more).
-    Many programs (over 16 per multiprocessor) walk two consecutive splits each: in a vLLM decode step
-    (256 sequences of 64..768 keys, 64-key pages, a block table for 1024 keys: two splits, the second
-    mostly empty) 142.5 against 156.4 us for one split on 2 warps, and 224-226 us either way at
-    600..1024 keys (bench/speed_sweep.py --only vllm-decode, H200 session 7; the bounds are from the
-    block table, so short sequences leave one-split programs idle). Sessions 3-4 had measured two splits
-    2-5% slower at B = 64 x 4096 keys on 16-key pages, which is why it was not the rule there. A register
-    cap does not help this kernel: it streams K/V at 83-89 % of HBM bandwidth already.
+    bf16 (or fp32) caches, head dims up to 128: fitted on the launch search (H100, 94 cells: pages 16-128,
+    GQA 1-8, head dims 64 / 128, B = 1-256, 512-32k keys; bench/results/h100-2026-12-06-decode-tune/ and
+    -decode-fa3/). ``walkers``: sequences x KV heads, the programs when each walks all its splits (no merge
+    kernel, no partials written); ``programs``: one split each.
+      * One split (<= 512 keys) is always walked. Head dim 128 with at most one program a multiprocessor:
+        8 warps (1.11-1.23x: a program's time is its chain of 64-key chunks, and 8 warps shorten each
+        step). From three walkers a multiprocessor: 3 stages under a 128-register cap, so more programs
+        are resident (1.02-1.29x).
+      * Head dim <= 64: from three walkers a multiprocessor, walked at 3 stages / 128 registers (1.08-1.20x);
+        with fewer walkers but over 8 programs a multiprocessor, four splits a program at 3 stages / 128
+        registers (1.13-1.14x); otherwise the earlier rule below.
+      * Head dim 128: over 8 programs a multiprocessor and at least 64 walkers, walked (1.01-1.10x);
+        else one split a program at 2 stages under 128 registers (1.02-1.14x), except with between half
+        and one program a multiprocessor: there 8 warps on pages under 64 keys (1.07-1.09x, 16-key pages:
+        more gather addresses per chunk), the earlier rule on larger pages (8 warps 0.93x, 128-key pages).
+    The earlier rule (H200, sessions 3-7; head dims over 128 keep it): one split a program, 5 stages, no
+    cap; two splits a program in the partial-wave band (3-4 programs a multiprocessor: 1.17-1.27x) and over
+    16 a multiprocessor (a vLLM decode step of 256 sequences: 142.5 against 156.4 us).
 
     FP8 caches, once the programs fill the GPU (more one-split programs than multiprocessors): one split,
     at most 128 registers a thread and 3 stages, so that four programs (16 warps) share a multiprocessor
@@ -527,10 +535,32 @@ def _decode_launch(programs: int, sms: int, kv_fp8: bool) -> dict:
     ``maxnreg`` 0: no cap."""
     if sms == 0:  # the launch policy knows no multiprocessor count (not a CUDA GPU): the plain shape
         return dict(splits_per_program=1, num_stages=5, maxnreg=0)
+    walkers = programs // max_splits
+    walk = dict(split_parallel=False, splits_per_program=1, num_warps=4, head_split=1)
+    parallel = dict(walk, split_parallel=True)
+    capped = dict(num_stages=3, maxnreg=128)
     if kv_fp8 and programs > sms:
-        return dict(splits_per_program=1, num_stages=3, maxnreg=128)
+        return dict(parallel if max_splits > 1 else walk, splits_per_program=1, **capped)
+    if max_splits == 1:
+        if kv_fp8 or head_dim > 128:
+            return dict(walk, num_stages=5, maxnreg=0)
+        if head_dim > 64 and programs <= sms:
+            return dict(walk, num_warps=8, num_stages=5, maxnreg=0)
+        return dict(walk, **(capped if walkers >= 3 * sms else dict(num_stages=5, maxnreg=0)))
+    if not kv_fp8 and head_dim <= 64:
+        if walkers >= 3 * sms:
+            return dict(walk, **capped)
+        if programs > 8 * sms:
+            return dict(parallel, splits_per_program=4, **capped)
+    elif not kv_fp8 and head_dim <= 128:
+        if programs > 8 * sms and walkers >= 64:
+            return dict(walk, num_stages=5, maxnreg=0)
+        if not sms // 2 < programs <= sms:
+            return dict(parallel, num_stages=2, maxnreg=128)
+        if page < 64:
+            return dict(parallel, num_warps=8, num_stages=5, maxnreg=0)
     two = programs > 16 * sms or 3 * sms < programs <= 4 * sms
-    return dict(splits_per_program=2 if two else 1, num_stages=5, maxnreg=0)
+    return dict(parallel, splits_per_program=2 if two else 1, num_stages=5, maxnreg=0)
 
 
 # The decode launches ``hal tune`` times (hal/kernels/tuning.py ``tune_decode``; issue #20): every choice
@@ -589,11 +619,18 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     group_pad = next_power_of_2(group)
     shape = _launch_shape(tokens, num_seqs, group_pad)
     context = block_table.shape[1] * page  # keys the block table can hold: an upper bound on every context
-    # A decode launch measured for this call's shape class (``hal tune``, ``decode_candidates``) replaces the
-    # rules below; the call's own overrides replace both.
-    tuned = (policy.decode_launch(tokens, num_seqs, context, q_heads, kv_heads, head_dim, page, q.dtype,
-                                  k_cache.dtype, spec) or {}) if shape["decode"] else {}
-    head_split = head_split or tuned.get("head_split") or shape["head_split"]
+    split = spec.split_size(context)
+    max_splits = spec.split_count(context)
+    # Decode: the rule's launch (``_decode_launch``, from the sequences' one-split, one-group programs), over
+    # which a launch measured for this call's shape class (``hal tune``, ``decode_candidates``) is laid; the
+    # call's own overrides replace both. No launch choice changes the bits.
+    decode = {}
+    if shape["decode"]:
+        decode = {**_decode_launch(num_seqs * kv_heads * max_splits, policy.multiprocessors(q.device), kv_fp8,
+                                   max_splits=max_splits, head_dim=head_dim, page=page),
+                  **(policy.decode_launch(tokens, num_seqs, context, q_heads, kv_heads, head_dim, page, q.dtype,
+                                          k_cache.dtype, spec) or {})}
+    head_split = head_split or decode.get("head_split") or shape["head_split"]
     if head_split > group_pad or group_pad % head_split:
         raise ValueError(f"head_split {head_split} must be a power of two dividing the padded GQA group {group_pad}")
     block_q = (block_q or policy.attention_block_q(q, k_cache, query_start_loc, spec)
@@ -603,12 +640,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     heads_fastest = shape["heads_fastest"] if heads_fastest is None else heads_fastest
     heads_fastest = heads_fastest and num_tiles <= 65535  # grid axis 2 holds at most 65535 programs
     kv_chunk = spec.kv_chunk
-    split = spec.split_size(context)
-    max_splits = spec.split_count(context)
-    decode = {}
-    if shape["decode"]:
-        decode = {**_decode_launch(num_tiles * kv_heads * head_split * max_splits, policy.multiprocessors(q.device),
-                                   kv_fp8), **tuned}
     if splits_per_program is None:
         splits_per_program = decode.get("splits_per_program", shape["splits_per_program"])
     if maxnreg is None:
