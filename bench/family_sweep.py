@@ -257,17 +257,36 @@ def summary(rows) -> dict:
     return out
 
 
+def previous_decode_launch(programs: int, sms: int, kv_fp8: bool, *, max_splits: int, head_dim: int,
+                           page: int) -> dict:
+    """``attention._decode_launch`` as it was before its refit on the launch search (commit 54375fc): parallel
+    splits, 4 warps, 5 stages, no register cap, two splits a program in the partial-wave band and above 16
+    programs a multiprocessor; FP8 caches filling the GPU one split at 3 stages / 128 registers."""
+    if sms == 0:
+        return dict(splits_per_program=1, num_stages=5, maxnreg=0)
+    if kv_fp8 and programs > sms:
+        return dict(splits_per_program=1, num_stages=3, maxnreg=128)
+    two = programs > 16 * sms or 3 * sms < programs <= 4 * sms
+    return dict(splits_per_program=2 if two else 1, num_stages=5, maxnreg=0)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", default="gemm,decode,prefill")
     parser.add_argument("--budget-s", type=float, default=540, help="stop starting new cells after this many seconds")
     parser.add_argument("--seed", type=int, default=0, help="the cell order's shuffle")
     parser.add_argument("--gemm-m", default=None, help="GEMM cells at these M only (comma-separated; default all)")
+    parser.add_argument("--decode-rule", choices=("current", "previous"), default="current",
+                        help="previous: time decode with the launch rule before 2026-12-06's refit (a before/after "
+                             "on one GPU; the bits are the same either way)")
     parser.add_argument("--json", required=True)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         log("family_sweep: needs a CUDA GPU")
         return 2
+    if args.decode_rule == "previous":
+        from hal.kernels import attention
+        attention._decode_launch = previous_decode_launch
     backend = create_backend("cuda")
     only = args.only.split(",")
     cells = ([c for op in only for c in {"gemm": gemm_cells, "decode": decode_cells, "prefill": prefill_cells}[op]()])
