@@ -7,6 +7,7 @@ cell can be read off without a GPU. Prints, per cell, the rule's pick, its time 
 and the run's own rule time over the fastest (the rule the run was made with), then the distribution:
 
     python3 bench/decode_rule_fit.py bench/results/<run>/decode_tune.json [...]
+    python3 bench/decode_rule_fit.py --family <new-rule>/family_sweep.json <previous-rule>/family_sweep.json
 
 A rule's pick that is not among a cell's timed candidates is an error (the rule must choose from the
 candidate set, which is what makes it bit-safe by the tuner's checks).
@@ -57,11 +58,87 @@ def score(run: dict) -> list[dict]:
     return out
 
 
+def _rule_as_run(programs: int, sms: int, kv_fp8: bool, *, max_splits: int, head_dim: int, page: int) -> dict:
+    """The bf16 rule that bench/results/h100-2026-12-06-decode-rule/family-new-rule ran (commit 5ff9e28):
+    needed to know which launch each of its times belongs to."""
+    walkers = programs // max_splits
+    walk = dict(split_parallel=False, splits_per_program=1, num_warps=4, head_split=1)
+    parallel = dict(walk, split_parallel=True)
+    capped = dict(num_stages=3, maxnreg=128)
+    if max_splits == 1:
+        if head_dim > 64 and programs <= sms:
+            return dict(walk, num_warps=8, num_stages=5, maxnreg=0)
+        return dict(walk, **(capped if walkers >= 3 * sms else dict(num_stages=5, maxnreg=0)))
+    if head_dim <= 64:
+        if walkers >= 3 * sms:
+            return dict(walk, **capped)
+        if programs > 8 * sms:
+            return dict(parallel, splits_per_program=4, **capped)
+    else:
+        if programs > 8 * sms and walkers >= 64:
+            return dict(walk, num_stages=5, maxnreg=0)
+        if not sms // 2 < programs <= sms:
+            return dict(parallel, num_stages=2, maxnreg=128)
+        if page < 64:
+            return dict(parallel, num_warps=8, num_stages=5, maxnreg=0)
+    two = programs > 16 * sms or 3 * sms < programs <= 4 * sms
+    return dict(parallel, splits_per_program=2 if two else 1, num_stages=5, maxnreg=0)
+
+
+def family(new_path: str, previous_path: str) -> int:
+    """The current rule's time on every family cell x page, from two bench/family_sweep.py decode runs on one
+    GPU: one with the rule as of 5ff9e28 (``_rule_as_run``), one with ``--decode-rule previous``. Each cell's
+    pick must be one of the two launches timed there."""
+    from family_sweep import previous_decode_launch
+
+    def normal(pick, splits):
+        parallel = pick.get("split_parallel", splits > 1)
+        return _normal(dict(pick, split_parallel=parallel))
+
+    runs = []
+    for path in (new_path, previous_path):
+        with open(path) as f:
+            run = json.load(f)
+        runs.append({(r["batch"], r["ctx"], r["hq"], r["hkv"], r["d"]): r for r in run["rows"] if r["op"] == "decode"})
+    sms = sms_of(run["device"])
+    new, previous = runs
+    speedups, stock_ratios = [], []
+    for key, r in new.items():
+        batch, ctx, hq, hkv, d = key
+        for page in (16, 32, 64, 128):
+            splits = -(-(-(-ctx // page) * page) // 512)
+            args = (batch * hkv * splits, sms, False)
+            kw = dict(max_splits=splits, head_dim=d, page=page)
+            pick = normal(attention._decode_launch(*args, **kw), splits)
+            if pick == normal(_rule_as_run(*args, **kw), splits):
+                ms = r[f"ours_ms_p{page}"]
+            elif pick == normal(previous_decode_launch(*args, **kw), splits):
+                ms = previous[key][f"ours_ms_p{page}"]
+            else:
+                raise SystemExit(f"decode_rule_fit: the rule's pick for {key}, page {page} was not timed in either run")
+            speedups.append(previous[key][f"ours_ms_p{page}"] / ms)
+            if batch >= 4 and page == 64 and r.get("fa3_ms"):
+                stock_ratios.append(min(r["sdpa_ms"], r["fa3_ms"]) / ms)
+    speedups.sort()
+    stock_ratios.sort()
+    print(f"this rule over the previous rule, {len(speedups)} cell x page: min {speedups[0]:.3f}, "
+          f"10th pct {speedups[len(speedups) // 10]:.3f}, median {statistics.median(speedups):.3f}, max {speedups[-1]:.3f}")
+    if stock_ratios:
+        print(f"faster of SDPA / FA3 over this rule, B >= 4, 64-key pages, {len(stock_ratios)} cells: min "
+              f"{stock_ratios[0]:.2f}, 10th pct {stock_ratios[len(stock_ratios) // 10]:.2f}, median "
+              f"{statistics.median(stock_ratios):.2f}, >= 0.90 in {sum(x >= 0.90 for x in stock_ratios)}")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("runs", nargs="+", help="decode_tune.json files")
+    parser.add_argument("runs", nargs="*", help="decode_tune.json files")
     parser.add_argument("--cells", action="store_true", help="print every cell, not only the summary")
+    parser.add_argument("--family", nargs=2, metavar=("NEW", "PREVIOUS"),
+                        help="score on two family_sweep.json decode runs instead (see ``family``)")
     args = parser.parse_args(argv)
+    if args.family:
+        return family(*args.family)
     rows = []
     for path in args.runs:
         with open(path) as f:

@@ -8,8 +8,9 @@ and the fastest candidate (``attention.decode_candidates``), device time under C
 (``tuning._device_ms``), every candidate bitwise equal to the rule's output (tuning stops with an error
 otherwise), and the stock kernels issue #20 compares with (bf16 cells only): SDPA (its default dispatch,
 contiguous K/V) and, where vLLM imports (the GPU bundle on PYTHONPATH), vLLM's FlashAttention-3 on the
-cell's own paged cache; the ratio is against the faster. Inputs are not rotated: small cells run from L2
-for every kernel alike (bench/family_sweep.py rotates them).
+cell's own paged cache; the ratio is against the faster. A cache smaller than twice the L2 is timed over
+copies read in turn (``tune_decode``), ours and the stock kernels' alike, as bench/family_sweep.py does:
+runs before that was added timed small cells from the L2.
 
 Prints a line per cell and a summary (tuned / rule speed-up; the faster stock kernel / ours with the rule's
 and the tuned launch, at B >= 4; KV TB/s at B = 1), writes the JSON report and the tuning cache (which

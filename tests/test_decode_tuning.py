@@ -147,6 +147,43 @@ def test_decode_tuner_times_the_stock_kernels_it_is_given_not_their_set_up(cuda)
     assert "page size not supported" in row["baseline_errors"]["broken"]
 
 
+def test_decode_tuner_reads_copies_of_a_small_cache_in_turn(cuda, monkeypatch):
+    """A cache smaller than twice the L2 is timed over copies read in turn (as a decode step reads each layer's
+    K/V from memory, not from the L2), ours and the stock kernel's alike; the bit checks use copy 0 only."""
+    from hal.kernels import attention, tuning
+
+    real, seen, untimed, in_timer = attention.paged_attention, [], [], [False]
+
+    def spy(q, *a, **kw):
+        (seen if in_timer[0] else untimed).append(q.data_ptr())
+        return real(q, *a, **kw)
+    monkeypatch.setattr(attention, "paged_attention", spy)
+    cell = (1, 100, 2, 1, 16, 16, "bf16")
+    cache_bytes = 2 * 7 * 16 * 1 * 16 * 2                        # 7 pages of 16 keys, one KV head of 16, K and V
+    assert tuning._copies_beyond_l2(cache_bytes, "cpu") == 1 and tuning._copies_beyond_l2(10, "cpu", 15) == 3
+    stock_calls, built = [], []
+
+    def baseline(q, batch, context, kv_heads, paged):
+        built.append(q.data_ptr())
+        return lambda: stock_calls.append(q.data_ptr())
+
+    def timer(fn):
+        start, in_timer[0] = len(seen), True
+        for _ in range(4):
+            fn()
+        in_timer[0] = False
+        timed.append(seen[start:] if len(seen) > start else stock_calls[-4:])
+        return 1.0
+    timed = []
+    tuning.tune_decode([cell], DENSE.attention, device="cpu", cache=tuning.TuneCache("c", "x"), timer=timer,
+                       progress=None, baseline=baseline, l2_bytes=cache_bytes)      # 2 L2s of cache: 2 copies
+    assert len(built) == 2 and built[0] != built[1]
+    for calls in timed:                                         # ours and the stock's: copy 0, 1, 0, 1
+        assert calls[0] == calls[2] != calls[1] == calls[3]
+    assert len(timed) == len(attention.decode_candidates(1, 2)) + 2        # the rule, each candidate, the stock
+    assert untimed and set(untimed) == {built[0]}                 # the bit checks (untimed runs) read copy 0
+
+
 def test_decode_tuner_times_fp8_caches_by_the_contract_write_rule(cuda):
     """An FP8 cell's cache is written by [fp8]'s rule (per token-head scales), its candidates bit-checked
     against the kernel's own launch over that cache."""

@@ -510,16 +510,22 @@ def _decode_launch(programs: int, sms: int, kv_fp8: bool, *, max_splits: int, he
     -decode-fa3/). ``walkers``: sequences x KV heads, the programs when each walks all its splits (no merge
     kernel, no partials written); ``programs``: one split each.
       * One split (<= 512 keys) is always walked. Head dim 128 with at most one program a multiprocessor:
-        8 warps (1.11-1.23x: a program's time is its chain of 64-key chunks, and 8 warps shorten each
-        step). From three walkers a multiprocessor: 3 stages under a 128-register cap, so more programs
-        are resident (1.02-1.29x).
-      * Head dim <= 64: from three walkers a multiprocessor, walked at 3 stages / 128 registers (1.08-1.20x);
-        with fewer walkers but over 8 programs a multiprocessor, four splits a program at 3 stages / 128
-        registers (1.13-1.14x); otherwise the earlier rule below.
-      * Head dim 128: over 8 programs a multiprocessor and at least 64 walkers, walked (1.01-1.10x);
-        else one split a program at 2 stages under 128 registers (1.02-1.14x), except with between half
-        and one program a multiprocessor: there 8 warps on pages under 64 keys (1.07-1.09x, 16-key pages:
-        more gather addresses per chunk), the earlier rule on larger pages (8 warps 0.93x, 128-key pages).
+        8 warps (a program's time is its chain of 64-key chunks, and 8 warps shorten each step). From
+        three walkers a multiprocessor (head dim 128: up to eight), 3 stages under a 128-register cap, so
+        more programs are resident.
+      * Head dim <= 64: from three walkers a multiprocessor, walked at 3 stages / 128 registers; with
+        fewer walkers but over 8 programs a multiprocessor, four splits a program at 3 stages / 128
+        registers; otherwise the earlier rule below.
+      * Head dim 128: over 8 programs a multiprocessor and at least 64 walkers, walked; else, with more
+        programs than multiprocessors, one split a program at 2 stages under 128 registers; with half to
+        one program a multiprocessor and pages under 64 keys, 8 warps (more gather addresses per chunk);
+        otherwise the earlier rule.
+    Over the earlier rule, on the 136 decode cells x 4 page sizes of bench/family_sweep.py (one H100, K/V
+    rotated out of L2): the changed branches 1.01-1.21x faster (medians per branch; 0.95-1.29x per cell;
+    bench/results/h100-2026-12-06-decode-rule/).
+    The launch search's own times are L2-resident for small caches and misled two branches there (2 stages
+    at <= 64 programs, 16% slower from HBM; capped one-split walks at 16 walkers a multiprocessor): those
+    keep the earlier rule.
     The earlier rule (H200, sessions 3-7; head dims over 128 keep it): one split a program, 5 stages, no
     cap; two splits a program in the partial-wave band (3-4 programs a multiprocessor: 1.17-1.27x) and over
     16 a multiprocessor (a vLLM decode step of 256 sequences: 142.5 against 156.4 us).
@@ -546,7 +552,8 @@ def _decode_launch(programs: int, sms: int, kv_fp8: bool, *, max_splits: int, he
             return dict(walk, num_stages=5, maxnreg=0)
         if head_dim > 64 and programs <= sms:
             return dict(walk, num_warps=8, num_stages=5, maxnreg=0)
-        return dict(walk, **(capped if walkers >= 3 * sms else dict(num_stages=5, maxnreg=0)))
+        many = walkers >= 3 * sms and (head_dim <= 64 or walkers < 8 * sms)
+        return dict(walk, **(capped if many else dict(num_stages=5, maxnreg=0)))
     if not kv_fp8 and head_dim <= 64:
         if walkers >= 3 * sms:
             return dict(walk, **capped)
@@ -555,9 +562,9 @@ def _decode_launch(programs: int, sms: int, kv_fp8: bool, *, max_splits: int, he
     elif not kv_fp8 and head_dim <= 128:
         if programs > 8 * sms and walkers >= 64:
             return dict(walk, num_stages=5, maxnreg=0)
-        if not sms // 2 < programs <= sms:
+        if programs > sms:
             return dict(parallel, num_stages=2, maxnreg=128)
-        if page < 64:
+        if programs > sms // 2 and page < 64:
             return dict(parallel, num_warps=8, num_stages=5, maxnreg=0)
     two = programs > 16 * sms or 3 * sms < programs <= 4 * sms
     return dict(parallel, splits_per_program=2 if two else 1, num_stages=5, maxnreg=0)

@@ -285,7 +285,8 @@ def tune_decode(cells: Iterable[tuple[int, int, int, int, int, int, str]], spec:
                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cuda", cache: TuneCache,
                 timer: Callable[[Callable[[], object]], float] = _device_ms,
                 progress: Callable[[str], None] | None = print, baseline: Callable | None = None,
-                report: list | None = None, max_cache_bytes: int | None = None) -> TuneCache:
+                report: list | None = None, max_cache_bytes: int | None = None,
+                l2_bytes: int | None = None) -> TuneCache:
     """Time ``attention.decode_candidates`` for decode attention cells (sequences, keys per sequence, query
     heads, KV heads, head dim, page size, cache format: "bf16", or "e4m3" / "e5m2" for an FP8 cache by
     [fp8]'s rules, which needs ``fp8``) and keep the fastest per ``decode_shape_class``, as ``tune_gemm``.
@@ -294,7 +295,8 @@ def tune_decode(cells: Iterable[tuple[int, int, int, int, int, int, str]], spec:
     builds, once per cell, the stock attention timed beside ours (for the report): a zero-argument callable,
     or a dict of them by name (each timed; the report keeps every time and the fastest as ``baseline_ms``).
     ``paged``: this cell's cache as ``paged_attention`` reads it (``k_cache``, ``v_cache``, ``query_start``,
-    ``seq_lens``, ``block_table``, ``page``), for a stock kernel that reads a paged cache."""
+    ``seq_lens``, ``block_table``, ``page``), for a stock kernel that reads a paged cache. A cache smaller than
+    twice the L2 (``l2_bytes``, default the GPU's) is timed over copies read in turn, ours and the stock's."""
     from hal.backends.cuda.launch import CUDA_LAUNCH_UNTUNED as untuned
     from hal.kernels import attention
 
@@ -316,25 +318,54 @@ def tune_decode(cells: Iterable[tuple[int, int, int, int, int, int, str]], spec:
                 report.append(dict(op="decode", batch=batch, ctx=context, hq=hq, hkv=hkv, d=d, page=page, kv=kv,
                                    skipped=f"K/V {cache_bytes} bytes > {max_cache_bytes}"))
             continue
-        k_cache, v_cache, scales = _random_paged_cache(pages, page, hkv, d, kv, dtype, fp8, g, device)
-        table = torch.randperm(pages, generator=g, device=device).to(torch.int32).view(batch, per_seq)
-        q = torch.randn(batch, hq, d, generator=g, device=device).to(dtype)
         query_start = torch.arange(batch + 1, dtype=torch.int32, device=device)
         seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+        # Copies of the cache, timed in turn, so that a cache smaller than the L2 is read from memory as in a
+        # decode step (each layer's K/V is another), not from the L2: L2-resident times favoured 2 pipeline
+        # stages where memory latency needs 5 (bench/results/h100-2026-12-06-decode-rule/). Bits: copy 0.
+        sets = []
+        for _ in range(_copies_beyond_l2(cache_bytes, device, l2_bytes)):
+            k_cache, v_cache, scales = _random_paged_cache(pages, page, hkv, d, kv, dtype, fp8, g, device)
+            table = torch.randperm(pages, generator=g, device=device).to(torch.int32).view(batch, per_seq)
+            q = torch.randn(batch, hq, d, generator=g, device=device).to(dtype)
+            sets.append(dict(q=q, k_cache=k_cache, v_cache=v_cache, scales=scales, block_table=table))
 
-        def run(config, q=q, k_cache=k_cache, v_cache=v_cache, scales=scales, query_start=query_start,
-                seq_lens=seq_lens, table=table):
-            return attention.paged_attention(q, k_cache, v_cache, query_start, seq_lens, table, d ** -0.5, spec,
-                                             policy=untuned, **scales, **(config or {}))
-        key = decode_shape_class(batch, batch, per_seq * page, hq, hkv, d, page, dtype, k_cache.dtype, spec)
+        def run(config, i=0, sets=sets, query_start=query_start, seq_lens=seq_lens):
+            c = sets[i]
+            return attention.paged_attention(c["q"], c["k_cache"], c["v_cache"], query_start, seq_lens,
+                                             c["block_table"], d ** -0.5, spec, policy=untuned, **c["scales"],
+                                             **(config or {}))
+        key = decode_shape_class(batch, batch, per_seq * page, hq, hkv, d, page, dtype, sets[0]["k_cache"].dtype, spec)
         candidates = attention.decode_candidates(spec.split_count(per_seq * page), _power_of_two_at_least(hq // hkv))
-        paged = dict(k_cache=k_cache, v_cache=v_cache, query_start=query_start, seq_lens=seq_lens,
-                     block_table=table, page=page)
-        stock = baseline(q, batch, context, hkv, paged) if baseline is not None else None   # built once, timed
+        stock = None
+        if baseline is not None:     # built once per copy (each with that copy's paged cache), timed in turn
+            built = [baseline(c["q"], batch, context, hkv,
+                              dict(c, query_start=query_start, seq_lens=seq_lens, page=page)) for c in sets]
+            stock = ({name: _in_turn([b[name] for b in built]) for name in built[0]} if isinstance(built[0], dict)
+                     else _in_turn(built))
         _tune_shape(what, key, run, candidates, cache, timer, progress, report,
-                    dict(op="decode", batch=batch, ctx=context, hq=hq, hkv=hkv, d=d, page=page, kv=kv), stock)
-        del k_cache, v_cache, scales, table, q, paged, stock
+                    dict(op="decode", batch=batch, ctx=context, hq=hq, hkv=hkv, d=d, page=page, kv=kv, copies=len(sets)),
+                    stock, timed=lambda config, run=run, n=len(sets): _in_turn([lambda i=i: run(config, i)
+                                                                                for i in range(n)]))
+        del sets, stock
     return cache
+
+
+def _copies_beyond_l2(nbytes: int, device, l2_bytes: int | None = None) -> int:
+    """How many copies of ``nbytes`` of inputs, read in turn, take twice the L2 (at most 32; 1 on a CPU)."""
+    if l2_bytes is None:
+        if torch.device(device).type != "cuda":
+            return 1
+        l2_bytes = torch.cuda.get_device_properties(device).L2_cache_size
+    return max(1, min(32, -(-2 * l2_bytes // max(nbytes, 1))))
+
+
+def _in_turn(calls: list[Callable[[], object]]) -> Callable[[], object]:
+    """One call that runs ``calls`` in turn, one per call (a CUDA graph captures the turn it reached)."""
+    if len(calls) == 1:
+        return calls[0]
+    turn = iter(range(10**18))
+    return lambda: calls[next(turn) % len(calls)]()
 
 
 def _random_paged_cache(pages: int, page: int, hkv: int, d: int, kv: str, dtype: torch.dtype, fp8: Fp8 | None,
@@ -380,7 +411,7 @@ def _fastest_launch(what: str, run: Callable[[dict], torch.Tensor], configs: lis
         if not torch.equal(_bits(out[position]), _bits(reference)):
             raise HalError(f"tune: launch {config} of the {what} gives other bits than the kernel's own: launch "
                            f"choices must not change bits (a kernel bug; report it)")
-        ms = timer(lambda: run(config))
+        ms = timer(timed(config))
         tried += 1
         if fastest_ms is None or ms < fastest_ms:
             fastest, fastest_ms = config, ms
@@ -389,14 +420,17 @@ def _fastest_launch(what: str, run: Callable[[dict], torch.Tensor], configs: lis
 
 def _tune_shape(what: str, key: str, run: Callable[[dict | None], torch.Tensor], configs: list[dict],
                 cache: TuneCache, timer: Callable, progress: Callable[[str], None] | None, report: list | None,
-                shape: dict, stock: Callable[[], object] | dict[str, Callable[[], object]] | None) -> None:
+                shape: dict, stock: Callable[[], object] | dict[str, Callable[[], object]] | None,
+                timed: Callable[[dict | None], Callable[[], object]] | None = None) -> None:
     """Time ``run(config)`` for every configuration against ``run(None)`` (the kernel's own launch), check
     each gives the same bits, and keep the fastest in ``cache`` under ``key`` (nothing if the own launch
     is the fastest). A configuration that fails to launch (e.g. out of shared memory) is counted, not kept.
     ``stock``: the stock kernel (or several, by name) timed beside ours for the report; one that fails to
-    run is reported with its error, not timed."""
+    run is reported with its error, not timed. ``timed(config)``: the call that is timed (default: ``run(config)``;
+    the decode tuner's reads its inputs' copies in turn)."""
+    timed = timed or (lambda config: lambda: run(config))
     reference = run(None)
-    default_ms = timer(lambda: run(None))
+    default_ms = timer(timed(None))
     best, best_ms, tried, skipped = None, default_ms, 0, 0
     timings = []                          # (configuration, ms) of every candidate: a launch rule is fitted on these
     for config in configs:
@@ -409,7 +443,7 @@ def _tune_shape(what: str, key: str, run: Callable[[dict | None], torch.Tensor],
         if not torch.equal(_bits(out), _bits(reference)):
             raise HalError(f"tune: configuration {config} of the {what} gives other bits than the kernel's own: "
                            f"launch choices must not change bits (a kernel bug; report it)")
-        ms = timer(lambda: run(config))
+        ms = timer(timed(config))
         tried += 1
         timings.append([config, ms])
         if ms < best_ms:
