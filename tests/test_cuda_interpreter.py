@@ -453,6 +453,38 @@ def test_tuner_keeps_the_fastest_bit_equal_candidate_and_refuses_one_that_change
                          timer=lambda fn: 1.0, progress=None)
 
 
+def test_gemm_tuner_reads_copies_of_small_inputs_in_turn(cuda, monkeypatch):
+    """Inputs smaller than twice the L2 are timed over copies read in turn (a model's forward reads each
+    linear's weight from memory, not from the L2), ours and cuBLAS's alike; the bit checks read copy 0."""
+    from hal.kernels import gemm, tuning
+
+    spec = _gemm_spec(512)
+    every = gemm.candidates
+    monkeypatch.setattr(gemm, "candidates", lambda *a: [dict(c, BLOCK_K=128) for c in every(*a)][:2])
+    real, timed_calls, untimed, in_timer = gemm.linear, [], [], [False]
+
+    def spy(x, *a, **kw):
+        (timed_calls if in_timer[0] else untimed).append(x.data_ptr())
+        return real(x, *a, **kw)
+    monkeypatch.setattr(gemm, "linear", spy)
+    stock = []
+
+    def timer(fn):
+        start, in_timer[0] = len(timed_calls), True
+        for _ in range(4):
+            fn()
+        in_timer[0] = False
+        turns.append(timed_calls[start:] or stock[-4:])
+        return 1.0
+    turns = []
+    nbytes = (5 + 24) * 600 * 4
+    tuning.tune_gemm([(5, 24, 600)], spec, dtype=torch.float32, device="cpu", cache=tuning.TuneCache("c", "x"),
+                     timer=timer, progress=None, baseline=lambda x, w, o: stock.append(x.data_ptr()),
+                     l2_bytes=nbytes)                                            # twice the L2: two copies
+    assert len(turns) == 2 + 2 and all(t[0] == t[2] != t[1] == t[3] for t in turns)
+    assert untimed and set(untimed) == {turns[0][0]}
+
+
 def test_hal_tune_refuses_clearly_without_a_gpu_or_a_config(tmp_path, monkeypatch, capsys):
     """`hal tune` times launches on a GPU: on Triton's interpreter, or given no readable config.json, it says
     so in one line (exit 2) and writes no cache."""

@@ -507,8 +507,9 @@ def _decode_launch(programs: int, sms: int, kv_fp8: bool, *, max_splits: int, he
 
     bf16 (or fp32) caches, head dims up to 128: fitted on the launch search (H100, 94 cells: pages 16-128,
     GQA 1-8, head dims 64 / 128, B = 1-256, 512-32k keys; bench/results/h100-2026-12-06-decode-tune/ and
-    -decode-fa3/). ``walkers``: sequences x KV heads, the programs when each walks all its splits (no merge
-    kernel, no partials written); ``programs``: one split each.
+    h100-2026-12-06-decode-rule/search/), then checked on the family sweep (below). ``walkers``: sequences x
+    KV heads, the programs when each walks all its splits (no merge kernel, no partials written);
+    ``programs``: one split each. Not measured on an H200 yet (same 132 multiprocessors, more bandwidth).
       * One split (<= 512 keys) is always walked. Head dim 128 with at most one program a multiprocessor:
         8 warps (a program's time is its chain of 64-key chunks, and 8 warps shorten each step). From
         three walkers a multiprocessor (head dim 128: up to eight), 3 stages under a 128-register cap, so

@@ -154,12 +154,14 @@ def tune_gemm(shapes: Iterable[tuple[int, int, int]], spec: Gemm, *, dtype: torc
               out_dtypes: dict[tuple[int, int], torch.dtype] | None = None, device: torch.device | str = "cuda",
               cache: TuneCache, timer: Callable[[Callable[[], object]], float] = _device_ms,
               progress: Callable[[str], None] | None = print, baseline: Callable | None = None,
-              report: list | None = None) -> TuneCache:
+              report: list | None = None, l2_bytes: int | None = None) -> TuneCache:
     """Time ``gemm.candidates`` for every (m, n, k) and record the fastest per shape class in ``cache``
     (returned). ``out_dtypes[(n, k)]``: the output dtype of a weight (fp32 for logits; default ``dtype``).
     Every candidate's output is compared with the kernel's own configuration's, bit for bit.
     ``baseline(x, w, out_dtype)``: a stock GEMM timed beside them (cuBLAS, for the report); ``report``:
-    a list that gets one row per shape (times in ms, the chosen configuration)."""
+    a list that gets one row per shape (times in ms, the chosen configuration). Inputs smaller than twice
+    the L2 (``l2_bytes``, default the GPU's) are timed over copies read in turn, as in a model's forward,
+    where each linear reads another weight from memory."""
     from hal.backends.cuda.launch import CUDA_LAUNCH_UNTUNED as untuned   # the kernel's own tiles as the baseline
     from hal.kernels import gemm
 
@@ -167,14 +169,19 @@ def tune_gemm(shapes: Iterable[tuple[int, int, int]], spec: Gemm, *, dtype: torc
     g = torch.Generator(device=device).manual_seed(0)
     for m, n, k in shapes:
         out_dtype = out_dtypes.get((n, k), dtype)
-        x = torch.randn(m, k, generator=g, device=device).to(dtype)
-        w = (torch.randn(n, k, generator=g, device=device) * k ** -0.5).to(dtype)
-        tma_ok = gemm._tma_ok(x) and gemm._tma_ok(w) and not gemm.INTERPRET
-        _tune_shape(f"GEMM ({m}, {n}, {k})", shape_class(m, n, k, dtype, out_dtype, spec.k_chunk),
-                    lambda config: gemm.linear(x, w, None, out_dtype, spec, config, policy=untuned),
-                    gemm.candidates(m, n, k, spec, tma_ok), cache, timer, progress, report, dict(m=m, n=n, k=k),
-                    (lambda: baseline(x, w, out_dtype)) if baseline is not None else None)
-        del x, w
+        copies = _copies_beyond_l2((m + n) * k * torch.empty((), dtype=dtype).element_size(), device, l2_bytes)
+        sets = [(torch.randn(m, k, generator=g, device=device).to(dtype),
+                 (torch.randn(n, k, generator=g, device=device) * k ** -0.5).to(dtype)) for _ in range(copies)]
+        tma_ok = gemm._tma_ok(sets[0][0]) and gemm._tma_ok(sets[0][1]) and not gemm.INTERPRET
+
+        def run(config, i=0, sets=sets, out_dtype=out_dtype):
+            return gemm.linear(*sets[i], None, out_dtype, spec, config, policy=untuned)
+        stock = (_in_turn([lambda x=x, w=w, o=out_dtype: baseline(x, w, o) for x, w in sets])
+                 if baseline is not None else None)
+        _tune_shape(f"GEMM ({m}, {n}, {k})", shape_class(m, n, k, dtype, out_dtype, spec.k_chunk), run,
+                    gemm.candidates(m, n, k, spec, tma_ok), cache, timer, progress, report,
+                    dict(m=m, n=n, k=k, copies=copies), stock, timed=_timed_in_turn(run, copies))
+        del sets, stock
     return cache
 
 
@@ -182,27 +189,36 @@ def tune_fp8_gemm(shapes: Iterable[tuple[int, int, int]], spec: Fp8, *, out_dtyp
                   device: torch.device | str = "cuda", cache: TuneCache,
                   timer: Callable[[Callable[[], object]], float] = _device_ms,
                   progress: Callable[[str], None] | None = print, baseline: Callable | None = None,
-                  report: list | None = None) -> TuneCache:
+                  report: list | None = None, l2_bytes: int | None = None) -> TuneCache:
     """``tune_gemm`` for the block-FP8 GEMM (``fp8_gemm.candidates``; the activations quantised once,
-    outside what is timed). ``baseline(x_bf16, w_bf16)``: a stock GEMM timed beside it."""
+    outside what is timed). ``baseline(x_bf16, w_bf16)``: a stock GEMM timed beside it. Small inputs are
+    timed over copies read in turn, as ``tune_gemm``'s."""
     from hal import fp8
     from hal.backends.cuda.launch import CUDA_LAUNCH_UNTUNED as untuned
     from hal.kernels import fp8_gemm, fp8_gemm_sm90
 
     g = torch.Generator(device=device).manual_seed(0)
     for m, n, k in shapes:
-        x = torch.randn(m, k, generator=g, device=device).bfloat16()
-        w = torch.randn(n, k, generator=g, device=device) * k ** -0.5
-        wq, ws = fp8.quantise_weight_blocks(w, spec)
-        xq, xs = fp8_gemm.quantise_activations(x, spec)
+        copies = _copies_beyond_l2((m + n) * k, device, l2_bytes)     # one byte an element
+        sets = []
+        for _ in range(copies):
+            x = torch.randn(m, k, generator=g, device=device).bfloat16()
+            w = torch.randn(n, k, generator=g, device=device) * k ** -0.5
+            sets.append(dict(x=x, w_bf16=w.bfloat16() if baseline is not None else None,
+                             weight=fp8.quantise_weight_blocks(w, spec), act=fp8_gemm.quantise_activations(x, spec)))
+            del w
+        xq, wq = sets[0]["act"][0], sets[0]["weight"][0]
         ok = fp8_gemm.tma_ok(xq) and fp8_gemm.tma_ok(wq)
-        w_bf16 = w.bfloat16() if baseline is not None else None
-        _tune_shape(f"FP8 GEMM ({m}, {n}, {k})", fp8_shape_class(m, n, k, spec, out_dtype),
-                    lambda config: fp8_gemm.gemm(xq, xs, wq, ws, None, out_dtype, spec, config, policy=untuned),
+
+        def run(config, i=0, sets=sets):
+            return fp8_gemm.gemm(*sets[i]["act"], *sets[i]["weight"], None, out_dtype, spec, config, policy=untuned)
+        stock = (_in_turn([lambda c=c: baseline(c["x"], c["w_bf16"]) for c in sets])
+                 if baseline is not None else None)
+        _tune_shape(f"FP8 GEMM ({m}, {n}, {k})", fp8_shape_class(m, n, k, spec, out_dtype), run,
                     fp8_gemm.candidates(m, n, k, spec.activation_group, ok,
                                         sm90=fp8_gemm_sm90.available(xq.device)), cache, timer, progress, report,
-                    dict(m=m, n=n, k=k), (lambda: baseline(x, w_bf16)) if baseline is not None else None)
-        del x, w, wq, ws, xq, xs, w_bf16
+                    dict(m=m, n=n, k=k, copies=copies), stock, timed=_timed_in_turn(run, copies))
+        del sets, stock, xq, wq
     return cache
 
 
@@ -345,8 +361,7 @@ def tune_decode(cells: Iterable[tuple[int, int, int, int, int, int, str]], spec:
                      else _in_turn(built))
         _tune_shape(what, key, run, candidates, cache, timer, progress, report,
                     dict(op="decode", batch=batch, ctx=context, hq=hq, hkv=hkv, d=d, page=page, kv=kv, copies=len(sets)),
-                    stock, timed=lambda config, run=run, n=len(sets): _in_turn([lambda i=i: run(config, i)
-                                                                                for i in range(n)]))
+                    stock, timed=_timed_in_turn(run, len(sets)))
         del sets, stock
     return cache
 
@@ -366,6 +381,11 @@ def _in_turn(calls: list[Callable[[], object]]) -> Callable[[], object]:
         return calls[0]
     turn = iter(range(10**18))
     return lambda: calls[next(turn) % len(calls)]()
+
+
+def _timed_in_turn(run: Callable[..., object], copies: int) -> Callable[[dict | None], Callable[[], object]]:
+    """``_tune_shape``'s ``timed``: ``run(config, i)`` over the input copies i in turn."""
+    return lambda config: _in_turn([lambda i=i: run(config, i) for i in range(copies)])
 
 
 def _random_paged_cache(pages: int, page: int, hkv: int, d: int, kv: str, dtype: torch.dtype, fp8: Fp8 | None,
