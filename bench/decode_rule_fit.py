@@ -7,7 +7,7 @@ cell can be read off without a GPU. Prints, per cell, the rule's pick, its time 
 and the run's own rule time over the fastest (the rule the run was made with), then the distribution:
 
     python3 bench/decode_rule_fit.py bench/results/<run>/decode_tune.json [...]
-    python3 bench/decode_rule_fit.py --family <new-rule>/family_sweep.json <previous-rule>/family_sweep.json
+    python3 bench/decode_rule_fit.py --family <new-rule>/family_sweep.json <previous-rule>/family_sweep.json [--plot P]
 
 A rule's pick that is not among a cell's timed candidates is an error (the rule must choose from the
 candidate set, which is what makes it bit-safe by the tuner's checks).
@@ -85,7 +85,7 @@ def _rule_as_run(programs: int, sms: int, kv_fp8: bool, *, max_splits: int, head
     return dict(parallel, splits_per_program=2 if two else 1, num_stages=5, maxnreg=0)
 
 
-def family(new_path: str, previous_path: str) -> int:
+def family(new_path: str, previous_path: str, plot: str | None = None) -> int:
     """The current rule's time on every family cell x page, from two bench/family_sweep.py decode runs on one
     GPU: one with the rule as of 5ff9e28 (``_rule_as_run``), one with ``--decode-rule previous``. Each cell's
     pick must be one of the two launches timed there."""
@@ -102,7 +102,7 @@ def family(new_path: str, previous_path: str) -> int:
         runs.append({(r["batch"], r["ctx"], r["hq"], r["hkv"], r["d"]): r for r in run["rows"] if r["op"] == "decode"})
     sms = sms_of(run["device"])
     new, previous = runs
-    speedups, stock_ratios = [], []
+    speedups, stock_ratios, points = [], [], []      # points: (batch, stock / previous, stock / this rule)
     for key, r in new.items():
         batch, ctx, hq, hkv, d = key
         for page in (16, 32, 64, 128):
@@ -117,8 +117,11 @@ def family(new_path: str, previous_path: str) -> int:
             else:
                 raise SystemExit(f"decode_rule_fit: the rule's pick for {key}, page {page} was not timed in either run")
             speedups.append(previous[key][f"ours_ms_p{page}"] / ms)
-            if batch >= 4 and page == 64 and r.get("fa3_ms"):
-                stock_ratios.append(min(r["sdpa_ms"], r["fa3_ms"]) / ms)
+            if r.get("fa3_ms"):
+                stock = min(r["sdpa_ms"], r["fa3_ms"])
+                points.append((batch, stock / previous[key][f"ours_ms_p{page}"], stock / ms))
+                if batch >= 4 and page == 64:
+                    stock_ratios.append(stock / ms)
     speedups.sort()
     stock_ratios.sort()
     print(f"this rule over the previous rule, {len(speedups)} cell x page: min {speedups[0]:.3f}, "
@@ -127,7 +130,34 @@ def family(new_path: str, previous_path: str) -> int:
         print(f"faster of SDPA / FA3 over this rule, B >= 4, 64-key pages, {len(stock_ratios)} cells: min "
               f"{stock_ratios[0]:.2f}, 10th pct {stock_ratios[len(stock_ratios) // 10]:.2f}, median "
               f"{statistics.median(stock_ratios):.2f}, >= 0.90 in {sum(x >= 0.90 for x in stock_ratios)}")
+    if plot:
+        _plot(points, plot, run["device"])
     return 0
+
+
+def _plot(points: list[tuple[int, float, float]], path: str, device: str) -> None:
+    """The faster of SDPA / FA3 over ours per batch size, the previous rule beside this one (every page size)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = sorted({b for b, _, _ in points})
+    fig, ax = plt.subplots(figsize=(8, 4.8))
+    for offset, (name, column, color) in enumerate((("previous rule", 1, "tab:gray"), ("this rule", 2, "tab:blue"))):
+        xs = [batches.index(p[0]) + (offset - 0.5) * 0.3 for p in points]
+        ax.scatter(xs, [p[column] for p in points], s=7, alpha=0.35, color=color, label=name)
+        medians = [statistics.median(p[column] for p in points if p[0] == b) for b in batches]
+        ax.plot([i + (offset - 0.5) * 0.3 for i in range(len(batches))], medians, color=color, marker="o")
+    ax.axhline(0.9, color="tab:red", linestyle="--", linewidth=1, label="issue #20 target at B >= 4 (0.90)")
+    ax.set_xticks(range(len(batches)), [str(b) for b in batches])
+    ax.set_xlabel("batch (sequences); cells: contexts 512-32k, GQA 1-8, head dims 64/128, pages 16-128")
+    ax.set_ylabel("faster of SDPA / FA3 time over ours")
+    ax.set_title(f"Decode attention, launch rule before and after the refit ({device})")
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
 
 
 def main(argv=None) -> int:
@@ -136,9 +166,10 @@ def main(argv=None) -> int:
     parser.add_argument("--cells", action="store_true", help="print every cell, not only the summary")
     parser.add_argument("--family", nargs=2, metavar=("NEW", "PREVIOUS"),
                         help="score on two family_sweep.json decode runs instead (see ``family``)")
+    parser.add_argument("--plot", help="with --family: draw stock / ours per batch size, both rules, to this PNG")
     args = parser.parse_args(argv)
     if args.family:
-        return family(*args.family)
+        return family(*args.family, plot=args.plot)
     rows = []
     for path in args.runs:
         with open(path) as f:
