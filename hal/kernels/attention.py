@@ -458,13 +458,15 @@ def _launch_shape(tokens: int, num_seqs: int, group_pad: int) -> dict:
     if INTERPRET:  # programs run one after another: parallel splits only add work
         return dict(base, rows=16, num_warps=4, num_stages=1, decode=tokens <= 16 * num_seqs)
     if tokens <= 16 * num_seqs:
-        # Decode-like, bound by streaming K/V: one 16-row MMA tile, parallel splits, and 5 stages:
-        # the depth at which Triton 3.6 double-buffers the page-table-indirect K/V loads (with 3
-        # or 4 its TTGIR has one buffer, waited for at the top of every chunk). The GQA group's
+        # Decode-like, bound by streaming K/V: one 16-row MMA tile and by default 5 stages: the
+        # depth at which Triton 3.6 double-buffers the page-table-indirect K/V loads (with 3 or 4 its
+        # TTGIR has one buffer, waited for at the top of every chunk; ``_decode_launch`` takes fewer
+        # only where a register cap lets more programs share a multiprocessor and hide it). The GQA group's
         # query heads stay in one program: split over 2 or 4 programs, each streams the whole K/V
         # (1.2-4x slower). K/V by pointer: tensor descriptors measured 4-8% slower here (16-row
         # tiles take their MMA operands from registers: 215-220 registers with descriptors, 189-193
-        # without, at 64-key pages). Splits per program, stages and register cap: ``_decode_launch``.
+        # without, at 64-key pages). Parallel or walked splits, splits per program, warps, stages and
+        # register cap: ``_decode_launch``.
         return dict(base, rows=16, num_warps=4, num_stages=5, decode=True)
     # Prefill, MMA bound: 64 query rows (one warpgroup) per program; 128 rows on 8 warps measured
     # 2-4% slower at L = 2048..8192. K/V by tensor descriptor where the pages allow (64-key pages)
