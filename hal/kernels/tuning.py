@@ -431,7 +431,7 @@ def _fastest_launch(what: str, run: Callable[[dict], torch.Tensor], configs: lis
         if not torch.equal(_bits(out[position]), _bits(reference)):
             raise HalError(f"tune: launch {config} of the {what} gives other bits than the kernel's own: launch "
                            f"choices must not change bits (a kernel bug; report it)")
-        ms = timer(timed(config))
+        ms = timer(lambda: run(config))
         tried += 1
         if fastest_ms is None or ms < fastest_ms:
             fastest, fastest_ms = config, ms
