@@ -25,13 +25,6 @@ from hal.kernels import attention
 SMS = {"H100": 132, "H200": 132}     # multiprocessors of the GPUs the runs were made on
 
 
-def _normal(config: dict) -> tuple:
-    """A launch as the kernel sees it (defaults filled in), to compare the rule's pick with a candidate."""
-    walked = not config.get("split_parallel", True)
-    return (walked, 1 if walked else config.get("splits_per_program", 1), config.get("num_warps", 4),
-            config.get("num_stages", 5), config.get("maxnreg", 0) or 0, config.get("head_split", 1))
-
-
 def sms_of(device: str) -> int:
     for name, sms in SMS.items():
         if name in device:
@@ -50,11 +43,12 @@ def score(run: dict) -> list[dict]:
         programs = r["batch"] * r["hkv"] * splits
         pick = attention._decode_launch(programs, sms, r["kv"] != "bf16", max_splits=splits, head_dim=r["d"],
                                         page=r["page"])
-        times = {_normal(c): ms for c, ms in r["timings"]}
-        if _normal(pick) not in times:
+        times = {attention.decode_launch_key(c, splits): ms for c, ms in r["timings"]}
+        pick_ms = times.get(attention.decode_launch_key(pick, splits))
+        if pick_ms is None:
             raise SystemExit(f"decode_rule_fit: the rule's pick {pick} for {r['key']} is not a timed candidate")
         best = min(min(times.values()), r["default_ms"])
-        out.append(dict(r, programs=programs, pick=pick, pick_ms=times[_normal(pick)], fastest_ms=best))
+        out.append(dict(r, programs=programs, pick=pick, pick_ms=pick_ms, fastest_ms=best))
     return out
 
 
@@ -91,10 +85,6 @@ def family(new_path: str, previous_path: str, plot: str | None = None) -> int:
     pick must be one of the two launches timed there."""
     from family_sweep import previous_decode_launch
 
-    def normal(pick, splits):
-        parallel = pick.get("split_parallel", splits > 1)
-        return _normal(dict(pick, split_parallel=parallel))
-
     runs = []
     for path in (new_path, previous_path):
         with open(path) as f:
@@ -109,10 +99,10 @@ def family(new_path: str, previous_path: str, plot: str | None = None) -> int:
             splits = -(-(-(-ctx // page) * page) // 512)
             args = (batch * hkv * splits, sms, False)
             kw = dict(max_splits=splits, head_dim=d, page=page)
-            pick = normal(attention._decode_launch(*args, **kw), splits)
-            if pick == normal(_rule_as_run(*args, **kw), splits):
+            pick = attention.decode_launch_key(attention._decode_launch(*args, **kw), splits)
+            if pick == attention.decode_launch_key(_rule_as_run(*args, **kw), splits):
                 ms = r[f"ours_ms_p{page}"]
-            elif pick == normal(previous_decode_launch(*args, **kw), splits):
+            elif pick == attention.decode_launch_key(previous_decode_launch(*args, **kw), splits):
                 ms = previous[key][f"ours_ms_p{page}"]
             else:
                 raise SystemExit(f"decode_rule_fit: the rule's pick for {key}, page {page} was not timed in either run")

@@ -245,10 +245,8 @@ def test_the_decode_rule_always_picks_a_launch_the_tuner_bit_checks():
     launch outside the set (16 warps) is recognised as outside it."""
     from hal.kernels import attention
 
-    def normal(config):
-        walked = not config.get("split_parallel", True)
-        return (walked, 1 if walked else config.get("splits_per_program", 1), config.get("num_warps", 4),
-                config.get("num_stages", 5), config.get("maxnreg", 0), config.get("head_split", 1))
+    def normal(config, max_splits=4):
+        return attention.decode_launch_key(config, max_splits)
 
     sms, picked = 132, set()
     for max_splits in (1, 2, 3, 4, 16, 64):
@@ -258,8 +256,9 @@ def test_the_decode_rule_always_picks_a_launch_the_tuner_bit_checks():
                     for kv_fp8 in (False, True):
                         pick = attention._decode_launch(walkers * max_splits, sms, kv_fp8, max_splits=max_splits,
                                                         head_dim=head_dim, page=page)
-                        allowed = {normal(c) for c in attention.decode_candidates(max_splits, 4)}
-                        assert normal(pick) in allowed, (walkers, max_splits, head_dim, page, kv_fp8, pick)
-                        picked.add(normal(pick))
+                        allowed = {normal(c, max_splits) for c in attention.decode_candidates(max_splits, 4)}
+                        assert normal(pick, max_splits) in allowed, (walkers, max_splits, head_dim, page, kv_fp8,
+                                                                     pick)
+                        picked.add(normal(pick, max_splits))
     assert len(picked) >= 8                                   # the rule does use the search's launches
     assert normal(dict(split_parallel=True, num_warps=16)) not in {normal(c) for c in attention.decode_candidates(4, 4)}

@@ -598,6 +598,15 @@ def decode_candidates(max_splits: int, group_pad: int) -> list[dict]:
     return out + walk
 
 
+def decode_launch_key(config: dict, max_splits: int) -> tuple:
+    """A decode launch override with ``paged_attention``'s defaults filled in: (walked, splits per program,
+    warps, stages, register cap, programs per KV head). Overrides with one key are one launch (a walked
+    launch has no splits per program)."""
+    walked = not config.get("split_parallel", max_splits > 1)
+    return (walked, 1 if walked else config.get("splits_per_program", 1), config.get("num_warps", 4),
+            config.get("num_stages", 5), config.get("maxnreg") or 0, config.get("head_split", 1))
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float, spec: Attention, *,
                     policy: LaunchPolicy, split_parallel: bool | None = None, block_q: int | None = None,

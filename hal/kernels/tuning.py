@@ -27,6 +27,7 @@ times them per decode shape class (``decode_shape_class``) with the same bit che
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import logging
 import os
@@ -379,7 +380,7 @@ def _in_turn(calls: list[Callable[[], object]]) -> Callable[[], object]:
     """One call that runs ``calls`` in turn, one per call (a CUDA graph captures the turn it reached)."""
     if len(calls) == 1:
         return calls[0]
-    turn = iter(range(10**18))
+    turn = itertools.count()
     return lambda: calls[next(turn) % len(calls)]()
 
 
