@@ -134,6 +134,10 @@ for step in $steps; do
            --json "$out/fp8_gpu_$tag.json" > "$out/fp8_gpu_$tag.log" 2>&1 || status=1
          cp "${HAL_TUNE_CACHE:-/tmp/fp8_tune.json}" "$out/" 2>/dev/null
          grep -vE '^\[' "$out/fp8_gpu_$tag.log" | tail -n 60 ;;
+    attention-ab) # the current attention kernel against .old_kernels (bench/old_kernels.sh REF): bits, and time (AB_ARGS)
+                  (cd "$repo/bench" && python3 attention_ab_gpu.py --base "$repo/.old_kernels" ${AB_ARGS:-} \
+                     --json "$out/attention_ab.json") > "$out/attention_ab.log" 2>&1 || status=1
+                  tail -n 25 "$out/attention_ab.log" ;;
     prefill-launch) # prefill attention launch shapes (bench/prefill_launch_gpu.py): bits against the default, speed vs SDPA flash
                     (cd "$repo/bench" && python3 prefill_launch_gpu.py --json "$out/prefill_launch.json") \
                       > "$out/prefill_launch.log" 2>&1 || status=1

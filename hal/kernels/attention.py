@@ -27,9 +27,9 @@ choices (every row's recurrence is its own, so its bits are the same either way)
   * the query-tile size, how many programs share one KV head's query heads, warps and pipeline
     depth, and the order in which programs are numbered (``HEADS_FASTEST``: the programs reading
     the same pages run side by side; for prefill, the longest tiles of every head start first);
-  * whether a program walks all splits (``SPLIT_PARALLEL`` off: prefill; one flat loop over the
-    chunks that merges the split state into (M, L, A) after each split's last chunk, so the K/V
-    loads stream across split boundaries) or each split runs in its own program and
+  * whether a program walks all splits (``SPLIT_PARALLEL`` off: prefill; a loop over its splits,
+    each split's chunks in an inner loop, its state merged into (M, L, A) after them) or each split
+    runs in its own program and
     ``_merge_kernel`` merges them (decode: fills and balances the GPU at any batch), and how many
     consecutive splits one such program walks (``SPLITS_PER_PROGRAM``, each stored as its own
     partial: fewer, longer programs pay the start-up - finding the sequence, the first loads - less
@@ -204,14 +204,15 @@ def _chunk(q, m, l, acc, n0, b, kvh, positions, seq_len, q_row_ok, ones, k_cache
         # key masked for one row of the tile may be visible to another, so V cannot be selected
         # per row. Instead non-finite V entries are selected to 0 before the dot (finite values
         # pass unchanged: no bit changes for finite inputs), and the (row, dim) outputs whose row
-        # sees a non-finite V entry are set to NaN after the update; "sees" is a dot of 0/1 indicators
-        # (counts <= KV_CHUNK, exact in any dot). Only masked chunks pay for this.
+        # sees a non-finite V entry are set to NaN after the update. A row sees the keys up to its
+        # position (and before seq_len), so it sees a bad entry of column d exactly when the column's
+        # first bad key is at or before its position: a min over the keys per column, not a
+        # (rows x head_dim) dot of 0/1 indicators (the dot's fp32 tile cost 64 registers a thread,
+        # which made ptxas serialise every wgmma of the prefill kernel: its C7512). Only masked chunks pay.
         v_bad = (v != v) | (tl.abs(v) == float("inf"))
         v = tl.where(v_bad, 0.0, v)
-        if IS_BF16 and not UPCAST:
-            sees_bad = tl.dot(visible.to(tl.bfloat16), v_bad.to(tl.bfloat16)) > 0
-        else:
-            sees_bad = tl.dot(visible.to(tl.float32), v_bad.to(tl.float32), input_precision="ieee") > 0
+        first_bad = tl.min(tl.where(v_bad & key_ok[:, None], keys[:, None], 2147483647), axis=0)
+        sees_bad = q_row_ok[:, None] & (first_bad[None, :] <= positions[:, None])
     else:
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = _exp(m - m_new, EXP2)
@@ -279,33 +280,6 @@ def _store_split(part_m_ptr, part_l_ptr, part_a_ptr, m, l, acc, split_index, row
     tl.store(part_a_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=rows_ok[:, None])
 
 
-@triton.jit
-def _end_of_chunk(big_m, big_l, big_a, m, l, acc, n0, hi, q_row_ok, positions, token, head, num_q_heads, max_splits,
-                  part_m_ptr, part_l_ptr, part_a_ptr, offs_d, HEAD_DIM: tl.constexpr, KV_CHUNK: tl.constexpr,
-                  KV_SPLIT: tl.constexpr, SPLIT_PARALLEL: tl.constexpr, SPLITS_PER_PROGRAM: tl.constexpr,
-                  EXP2: tl.constexpr):
-    """After the chunk at n0: if it was its split's last chunk, hand the split on and restart the
-    split state. An in-kernel walk merges it into (M, L, A); a program of parallel splits stores it
-    as that split's partial (its last split is stored after the loop). Rows that see the split only."""
-    if SPLIT_PARALLEL:
-        if SPLITS_PER_PROGRAM > 1:
-            if ((n0 + KV_CHUNK) % KV_SPLIT == 0) & (n0 + KV_CHUNK < hi):
-                start = n0 + KV_CHUNK - KV_SPLIT
-                _store_split(part_m_ptr, part_l_ptr, part_a_ptr, m, l, acc, start // KV_SPLIT,
-                             q_row_ok & (positions >= start), token, head, num_q_heads, max_splits, offs_d, HEAD_DIM)
-                m = tl.full(m.shape, float("-inf"), dtype=tl.float32)
-                l = tl.zeros(l.shape, dtype=tl.float32)
-                acc = tl.zeros(acc.shape, dtype=tl.float32)
-    else:
-        if (n0 + KV_CHUNK) % KV_SPLIT == 0:
-            merging = q_row_ok & (positions >= n0 + KV_CHUNK - KV_SPLIT)
-            big_m, big_l, big_a = _merge(big_m, big_l, big_a, m, l, acc, merging, EXP2)
-            m = tl.full(m.shape, float("-inf"), dtype=tl.float32)
-            l = tl.zeros(l.shape, dtype=tl.float32)
-            acc = tl.zeros(acc.shape, dtype=tl.float32)
-    return big_m, big_l, big_a, m, l, acc
-
-
 # Per-call counts are not specialised: Triton compiles a variant for each pattern of "equal to 1 /
 # multiple of 16" its integer arguments show, and the batch's sequence and tile counts (and, outside
 # vLLM, the block table's width and split count) change from call to call: a vLLM run compiled new
@@ -366,45 +340,44 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part
     first_position = seq_len - q_len + q_first
     full_end = tl.maximum(lo, tl.minimum(hi, (first_position + 1) // KV_CHUNK * KV_CHUNK))
 
-    m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
-    l = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
     big_m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     big_l = tl.zeros((BLOCK_M,), dtype=tl.float32)
     big_a = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
-    for n0 in range(lo, full_end, KV_CHUNK):
-        m, l, acc = _chunk(q, m, l, acc, n0, b, kvh, positions, seq_len, q_row_ok, ones, k_cache_ptr, v_cache_ptr,
-                           block_table_ptr, stride_bt, stride_kp, stride_kr, stride_kh, scale_log2e, offs_d,
-                           k_scale_ptr, v_scale_ptr, stride_sp, stride_sr, stride_sh,
-                           PAGE_SIZE, KV_CHUNK, HEAD_DIM, IS_BF16, UPCAST, False, TMA, EXP2, ROUNDED_SUM, KV_FP8,
-                           PER_TOKEN_SCALE, OPERAND_BARRIER)
-        big_m, big_l, big_a, m, l, acc = _end_of_chunk(
-            big_m, big_l, big_a, m, l, acc, n0, hi, q_row_ok, positions, token, head, num_q_heads, max_splits,
-            part_m_ptr, part_l_ptr, part_a_ptr, offs_d, HEAD_DIM, KV_CHUNK, KV_SPLIT, SPLIT_PARALLEL, SPLITS_PER_PROGRAM,
-            EXP2)
-    for n0 in range(full_end, hi, KV_CHUNK):
-        m, l, acc = _chunk(q, m, l, acc, n0, b, kvh, positions, seq_len, q_row_ok, ones, k_cache_ptr, v_cache_ptr,
-                           block_table_ptr, stride_bt, stride_kp, stride_kr, stride_kh, scale_log2e, offs_d,
-                           k_scale_ptr, v_scale_ptr, stride_sp, stride_sr, stride_sh,
-                           PAGE_SIZE, KV_CHUNK, HEAD_DIM, IS_BF16, UPCAST, True, TMA, EXP2, ROUNDED_SUM, KV_FP8,
-                           PER_TOKEN_SCALE, OPERAND_BARRIER)
-        big_m, big_l, big_a, m, l, acc = _end_of_chunk(
-            big_m, big_l, big_a, m, l, acc, n0, hi, q_row_ok, positions, token, head, num_q_heads, max_splits,
-            part_m_ptr, part_l_ptr, part_a_ptr, offs_d, HEAD_DIM, KV_CHUNK, KV_SPLIT, SPLIT_PARALLEL, SPLITS_PER_PROGRAM,
-            EXP2)
+    # One outer step per split: its state restarted before its chunks, handed on after them (merged into
+    # (M, L, A) by a walk, stored as the split's partial by parallel splits). The accumulator is defined
+    # outside the chunk loops only: a restart inside one flat chunk loop made ptxas serialise every wgmma
+    # of the prefill kernel (its C7515), and its predicated merge code ran in every chunk (sm_90 SASS:
+    # 856 instructions per unmasked prefill chunk, 16 wgmma waits, 110 spill accesses; now 417, 2, 7).
+    for split_start in range(lo, hi, KV_SPLIT):
+        split_end = tl.minimum(split_start + KV_SPLIT, hi)
+        unmasked_end = tl.minimum(split_end, tl.maximum(split_start, full_end))
+        m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+        l = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
+        for n0 in range(split_start, unmasked_end, KV_CHUNK):
+            m, l, acc = _chunk(q, m, l, acc, n0, b, kvh, positions, seq_len, q_row_ok, ones, k_cache_ptr, v_cache_ptr,
+                               block_table_ptr, stride_bt, stride_kp, stride_kr, stride_kh, scale_log2e, offs_d,
+                               k_scale_ptr, v_scale_ptr, stride_sp, stride_sr, stride_sh,
+                               PAGE_SIZE, KV_CHUNK, HEAD_DIM, IS_BF16, UPCAST, False, TMA, EXP2, ROUNDED_SUM, KV_FP8,
+                               PER_TOKEN_SCALE, OPERAND_BARRIER)
+        for n0 in range(unmasked_end, split_end, KV_CHUNK):
+            m, l, acc = _chunk(q, m, l, acc, n0, b, kvh, positions, seq_len, q_row_ok, ones, k_cache_ptr, v_cache_ptr,
+                               block_table_ptr, stride_bt, stride_kp, stride_kr, stride_kh, scale_log2e, offs_d,
+                               k_scale_ptr, v_scale_ptr, stride_sp, stride_sr, stride_sh,
+                               PAGE_SIZE, KV_CHUNK, HEAD_DIM, IS_BF16, UPCAST, True, TMA, EXP2, ROUNDED_SUM, KV_FP8,
+                               PER_TOKEN_SCALE, OPERAND_BARRIER)
+        sees_split = q_row_ok & (positions >= split_start)
+        if SPLIT_PARALLEL:
+            _store_split(part_m_ptr, part_l_ptr, part_a_ptr, m, l, acc, split_start // KV_SPLIT, sees_split,
+                         token, head, num_q_heads, max_splits, offs_d, HEAD_DIM)
+        else:
+            big_m, big_l, big_a = _merge(big_m, big_l, big_a, m, l, acc, sees_split, EXP2)
 
     if SPLIT_PARALLEL:
         # The merge needs each token's position: one program and one row per token writes it.
         writer = q_row_ok & (head_in_group + kvh + split == 0)
         tl.store(part_pos_ptr + token, positions, mask=writer)
-        # The program's last split (full or not; none when hi <= lo: then no row reaches lo).
-        last_start = tl.maximum(lo, (hi - 1) // KV_SPLIT * KV_SPLIT)
-        _store_split(part_m_ptr, part_l_ptr, part_a_ptr, m, l, acc, last_start // KV_SPLIT,
-                     q_row_ok & (positions >= last_start), token, head, num_q_heads, max_splits, offs_d, HEAD_DIM)
     else:
-        if (hi > 0) & ((tl.cdiv(hi, KV_CHUNK) * KV_CHUNK) % KV_SPLIT != 0):  # the last split was not full
-            merging = q_row_ok & (positions >= (hi - 1) // KV_SPLIT * KV_SPLIT)
-            big_m, big_l, big_a = _merge(big_m, big_l, big_a, m, l, acc, merging, EXP2)
         out = tl.div_rn(big_a, tl.where(q_row_ok, big_l, 1.0)[:, None])
         tl.store(out_ptr + token.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                  to_activation(out, IS_BF16), mask=q_row_ok[:, None])
