@@ -131,7 +131,7 @@ def attention_rows():
                          BLOCK_Q=max(1, shape["rows"] // (4 // shape["head_split"])), HEAD_DIM=128,
                          SPLIT_PARALLEL=shape["decode"], IS_BF16=True, UPCAST=False, KV_CHUNK=64,
                          BLOCK_B=attention.BLOCK_B, TMA=shape["tma"], EXP2=True, ROUNDED_SUM=True, KV_FP8=fp8,
-                         PER_TOKEN_SCALE=fp8, OPERAND_BARRIER=fp8)
+                         PER_TOKEN_SCALE=fp8, OPERAND_BARRIER=fp8, NESTED_SPLITS=not shape["decode"])
         compiled = compile_for_hopper(attention._attention_kernel, types, constants, shape["num_warps"],
                                       shape["num_stages"],
                                       not16=("num_seqs", "num_tiles", "group", "max_splits", "num_q_heads",

@@ -204,15 +204,22 @@ def _chunk(q, m, l, acc, n0, b, kvh, positions, seq_len, q_row_ok, ones, k_cache
         # key masked for one row of the tile may be visible to another, so V cannot be selected
         # per row. Instead non-finite V entries are selected to 0 before the dot (finite values
         # pass unchanged: no bit changes for finite inputs), and the (row, dim) outputs whose row
-        # sees a non-finite V entry are set to NaN after the update. A row sees the keys up to its
-        # position (and before seq_len), so it sees a bad entry of column d exactly when the column's
-        # first bad key is at or before its position: a min over the keys per column, not a
-        # (rows x head_dim) dot of 0/1 indicators (the dot's fp32 tile cost 64 registers a thread,
-        # which made ptxas serialise every wgmma of the prefill kernel: its C7512). Only masked chunks pay.
+        # sees a non-finite V entry are set to NaN after the update. Only masked chunks pay. "Sees" two
+        # equal ways: a dot of 0/1 indicators (counts <= KV_CHUNK, exact in any dot), or, since a row sees
+        # the keys up to its position (and before seq_len), the column's first bad key at or before the
+        # row's position (a min over the keys per column). The dot's fp32 (rows x head_dim) tile costs a
+        # 64-row tile 64 registers a thread, which made ptxas serialise every wgmma of the prefill kernel
+        # (its C7512); a 16-row decode tile's masked chunk is shorter with the dot (sm_90 SASS: 1276
+        # instructions against 1628 with the min).
         v_bad = (v != v) | (tl.abs(v) == float("inf"))
         v = tl.where(v_bad, 0.0, v)
-        first_bad = tl.min(tl.where(v_bad & key_ok[:, None], keys[:, None], 2147483647), axis=0)
-        sees_bad = q_row_ok[:, None] & (first_bad[None, :] <= positions[:, None])
+        if q.shape[0] >= 64:   # query rows of the tile
+            first_bad = tl.min(tl.where(v_bad & key_ok[:, None], keys[:, None], 2147483647), axis=0)
+            sees_bad = q_row_ok[:, None] & (first_bad[None, :] <= positions[:, None])
+        elif IS_BF16 and not UPCAST:
+            sees_bad = tl.dot(visible.to(tl.bfloat16), v_bad.to(tl.bfloat16)) > 0
+        else:
+            sees_bad = tl.dot(visible.to(tl.float32), v_bad.to(tl.float32), input_precision="ieee") > 0
     else:
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = _exp(m - m_new, EXP2)
@@ -280,6 +287,33 @@ def _store_split(part_m_ptr, part_l_ptr, part_a_ptr, m, l, acc, split_index, row
     tl.store(part_a_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=rows_ok[:, None])
 
 
+@triton.jit
+def _end_of_chunk(big_m, big_l, big_a, m, l, acc, n0, hi, q_row_ok, positions, token, head, num_q_heads, max_splits,
+                  part_m_ptr, part_l_ptr, part_a_ptr, offs_d, HEAD_DIM: tl.constexpr, KV_CHUNK: tl.constexpr,
+                  KV_SPLIT: tl.constexpr, SPLIT_PARALLEL: tl.constexpr, SPLITS_PER_PROGRAM: tl.constexpr,
+                  EXP2: tl.constexpr):
+    """The flat chunk loop's step after the chunk at n0: if it was its split's last chunk, hand the split on
+    and restart the split state. An in-kernel walk merges it into (M, L, A); a program of parallel splits stores it
+    as that split's partial (its last split is stored after the loop). Rows that see the split only."""
+    if SPLIT_PARALLEL:
+        if SPLITS_PER_PROGRAM > 1:
+            if ((n0 + KV_CHUNK) % KV_SPLIT == 0) & (n0 + KV_CHUNK < hi):
+                start = n0 + KV_CHUNK - KV_SPLIT
+                _store_split(part_m_ptr, part_l_ptr, part_a_ptr, m, l, acc, start // KV_SPLIT,
+                             q_row_ok & (positions >= start), token, head, num_q_heads, max_splits, offs_d, HEAD_DIM)
+                m = tl.full(m.shape, float("-inf"), dtype=tl.float32)
+                l = tl.zeros(l.shape, dtype=tl.float32)
+                acc = tl.zeros(acc.shape, dtype=tl.float32)
+    else:
+        if (n0 + KV_CHUNK) % KV_SPLIT == 0:
+            merging = q_row_ok & (positions >= n0 + KV_CHUNK - KV_SPLIT)
+            big_m, big_l, big_a = _merge(big_m, big_l, big_a, m, l, acc, merging, EXP2)
+            m = tl.full(m.shape, float("-inf"), dtype=tl.float32)
+            l = tl.zeros(l.shape, dtype=tl.float32)
+            acc = tl.zeros(acc.shape, dtype=tl.float32)
+    return big_m, big_l, big_a, m, l, acc
+
+
 # Per-call counts are not specialised: Triton compiles a variant for each pattern of "equal to 1 /
 # multiple of 16" its integer arguments show, and the batch's sequence and tile counts (and, outside
 # vLLM, the block table's width and split count) change from call to call: a vLLM run compiled new
@@ -295,7 +329,7 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part
                       BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT_PARALLEL: tl.constexpr,
                       IS_BF16: tl.constexpr, UPCAST: tl.constexpr, KV_CHUNK: tl.constexpr, BLOCK_B: tl.constexpr,
                       TMA: tl.constexpr, EXP2: tl.constexpr, ROUNDED_SUM: tl.constexpr, KV_FP8: tl.constexpr,
-                      PER_TOKEN_SCALE: tl.constexpr, OPERAND_BARRIER: tl.constexpr):
+                      PER_TOKEN_SCALE: tl.constexpr, OPERAND_BARRIER: tl.constexpr, NESTED_SPLITS: tl.constexpr):
     """k_cache_ptr, v_cache_ptr: pointers, or with TMA tensor descriptors (``_chunk``); with KV_FP8 the
     caches are fp8 and k_scale_ptr / v_scale_ptr their (pages, P, Hkv) scales (strides stride_s*) or,
     without PER_TOKEN_SCALE, one fixed scale each."""
@@ -343,34 +377,69 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part
     big_m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     big_l = tl.zeros((BLOCK_M,), dtype=tl.float32)
     big_a = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
-    # One outer step per split: its state restarted before its chunks, handed on after them (merged into
-    # (M, L, A) by a walk, stored as the split's partial by parallel splits). The accumulator is defined
-    # outside the chunk loops only: a restart inside one flat chunk loop made ptxas serialise every wgmma
-    # of the prefill kernel (its C7515), and its predicated merge code ran in every chunk (sm_90 SASS:
-    # 856 instructions per unmasked prefill chunk, 16 wgmma waits, 110 spill accesses; now 417, 2, 7).
-    for split_start in range(lo, hi, KV_SPLIT):
-        split_end = tl.minimum(split_start + KV_SPLIT, hi)
-        unmasked_end = tl.minimum(split_end, tl.maximum(split_start, full_end))
+    if NESTED_SPLITS:
+        # One outer step per split: its state restarted before its chunks, handed on after them (merged into
+        # (M, L, A) by a walk, stored as the split's partial by parallel splits). The accumulator is defined
+        # outside the chunk loops only: a restart inside the flat chunk loop below made ptxas serialise every
+        # wgmma of the prefill kernel (its C7515), and its predicated merge code ran in every chunk (sm_90
+        # SASS: 856 instructions per unmasked prefill chunk, 16 wgmma waits, 110 spill accesses; here 417, 2, 7).
+        for split_start in range(lo, hi, KV_SPLIT):
+            split_end = tl.minimum(split_start + KV_SPLIT, hi)
+            unmasked_end = tl.minimum(split_end, tl.maximum(split_start, full_end))
+            m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+            l = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
+            for n0 in range(split_start, unmasked_end, KV_CHUNK):
+                m, l, acc = _chunk(q, m, l, acc, n0, b, kvh, positions, seq_len, q_row_ok, ones, k_cache_ptr, v_cache_ptr,
+                               block_table_ptr, stride_bt, stride_kp, stride_kr, stride_kh, scale_log2e, offs_d,
+                               k_scale_ptr, v_scale_ptr, stride_sp, stride_sr, stride_sh,
+                               PAGE_SIZE, KV_CHUNK, HEAD_DIM, IS_BF16, UPCAST, False, TMA, EXP2, ROUNDED_SUM, KV_FP8,
+                               PER_TOKEN_SCALE, OPERAND_BARRIER)
+            for n0 in range(unmasked_end, split_end, KV_CHUNK):
+                m, l, acc = _chunk(q, m, l, acc, n0, b, kvh, positions, seq_len, q_row_ok, ones, k_cache_ptr, v_cache_ptr,
+                               block_table_ptr, stride_bt, stride_kp, stride_kr, stride_kh, scale_log2e, offs_d,
+                               k_scale_ptr, v_scale_ptr, stride_sp, stride_sr, stride_sh,
+                               PAGE_SIZE, KV_CHUNK, HEAD_DIM, IS_BF16, UPCAST, True, TMA, EXP2, ROUNDED_SUM, KV_FP8,
+                               PER_TOKEN_SCALE, OPERAND_BARRIER)
+            sees_split = q_row_ok & (positions >= split_start)
+            if SPLIT_PARALLEL:
+                _store_split(part_m_ptr, part_l_ptr, part_a_ptr, m, l, acc, split_start // KV_SPLIT, sees_split,
+                             token, head, num_q_heads, max_splits, offs_d, HEAD_DIM)
+            else:
+                big_m, big_l, big_a = _merge(big_m, big_l, big_a, m, l, acc, sees_split, EXP2)
+    else:
+        # One flat loop over the chunks, the split handed on after each split's last chunk (``_end_of_chunk``):
+        # the K/V loads stream across split boundaries (a walk over many splits with 16-row tiles, whose
+        # MMAs are not wgmmas, keeps its pipeline full), at the price above for wgmma tiles.
         m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
         l = tl.zeros((BLOCK_M,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
-        for n0 in range(split_start, unmasked_end, KV_CHUNK):
+        for n0 in range(lo, full_end, KV_CHUNK):
             m, l, acc = _chunk(q, m, l, acc, n0, b, kvh, positions, seq_len, q_row_ok, ones, k_cache_ptr, v_cache_ptr,
                                block_table_ptr, stride_bt, stride_kp, stride_kr, stride_kh, scale_log2e, offs_d,
                                k_scale_ptr, v_scale_ptr, stride_sp, stride_sr, stride_sh,
                                PAGE_SIZE, KV_CHUNK, HEAD_DIM, IS_BF16, UPCAST, False, TMA, EXP2, ROUNDED_SUM, KV_FP8,
                                PER_TOKEN_SCALE, OPERAND_BARRIER)
-        for n0 in range(unmasked_end, split_end, KV_CHUNK):
+            big_m, big_l, big_a, m, l, acc = _end_of_chunk(
+                big_m, big_l, big_a, m, l, acc, n0, hi, q_row_ok, positions, token, head, num_q_heads, max_splits,
+                part_m_ptr, part_l_ptr, part_a_ptr, offs_d, HEAD_DIM, KV_CHUNK, KV_SPLIT, SPLIT_PARALLEL,
+                SPLITS_PER_PROGRAM, EXP2)
+        for n0 in range(full_end, hi, KV_CHUNK):
             m, l, acc = _chunk(q, m, l, acc, n0, b, kvh, positions, seq_len, q_row_ok, ones, k_cache_ptr, v_cache_ptr,
                                block_table_ptr, stride_bt, stride_kp, stride_kr, stride_kh, scale_log2e, offs_d,
                                k_scale_ptr, v_scale_ptr, stride_sp, stride_sr, stride_sh,
                                PAGE_SIZE, KV_CHUNK, HEAD_DIM, IS_BF16, UPCAST, True, TMA, EXP2, ROUNDED_SUM, KV_FP8,
                                PER_TOKEN_SCALE, OPERAND_BARRIER)
-        sees_split = q_row_ok & (positions >= split_start)
+            big_m, big_l, big_a, m, l, acc = _end_of_chunk(
+                big_m, big_l, big_a, m, l, acc, n0, hi, q_row_ok, positions, token, head, num_q_heads, max_splits,
+                part_m_ptr, part_l_ptr, part_a_ptr, offs_d, HEAD_DIM, KV_CHUNK, KV_SPLIT, SPLIT_PARALLEL,
+                SPLITS_PER_PROGRAM, EXP2)
+        last_start = tl.maximum(lo, (hi - 1) // KV_SPLIT * KV_SPLIT)  # the last split, full or not
+        sees_split = q_row_ok & (positions >= last_start)                # none when hi <= lo: no row reaches lo
         if SPLIT_PARALLEL:
-            _store_split(part_m_ptr, part_l_ptr, part_a_ptr, m, l, acc, split_start // KV_SPLIT, sees_split,
+            _store_split(part_m_ptr, part_l_ptr, part_a_ptr, m, l, acc, last_start // KV_SPLIT, sees_split,
                          token, head, num_q_heads, max_splits, offs_d, HEAD_DIM)
-        else:
+        elif (hi > 0) & ((tl.cdiv(hi, KV_CHUNK) * KV_CHUNK) % KV_SPLIT != 0):  # not merged by _end_of_chunk
             big_m, big_l, big_a = _merge(big_m, big_l, big_a, m, l, acc, sees_split, EXP2)
 
     if SPLIT_PARALLEL:
@@ -585,15 +654,17 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     policy: LaunchPolicy, split_parallel: bool | None = None, block_q: int | None = None,
                     num_warps: int | None = None, num_stages: int | None = None, head_split: int | None = None,
                     heads_fastest: bool | None = None, splits_per_program: int | None = None,
-                    tma: bool | None = None, maxnreg: int | None = None, k_scale: torch.Tensor | None = None,
-                    v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                    tma: bool | None = None, maxnreg: int | None = None, nested_splits: bool | None = None,
+                    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q (T, Hq, D); caches (pages, P, Hkv, D); metadata as in hal.backend.AttentionMetadata; the
     reduction structure from ``spec`` ([attention]); vendor launch choices from ``policy``.
     ``split_parallel``, ``block_q``, ``num_warps``, ``num_stages``, ``head_split`` (programs per KV
     head, each taking a slice of its query heads; a power of two up to the padded group),
     ``heads_fastest`` (program numbering), ``splits_per_program`` (with parallel splits), ``tma``
-    (K/V by tensor descriptor where ``_tma_ok``) and ``maxnreg`` (the register cap per thread, 0 for
-    none: more programs per multiprocessor) override the launch shape (tests and tuning); they never change the bits. ``k_scale`` / ``v_scale``: fp8 caches' scales ([fp8]: (pages, P, Hkv) fp32 per
+    (K/V by tensor descriptor where ``_tma_ok``), ``maxnreg`` (the register cap per thread, 0 for
+    none: more programs per multiprocessor) and ``nested_splits`` (the kernel's loop structure: a loop over
+    splits with the chunk loops inside, or one flat chunk loop) override the launch shape (tests and tuning);
+    they never change the bits. ``k_scale`` / ``v_scale``: fp8 caches' scales ([fp8]: (pages, P, Hkv) fp32 per
     token-head, or 0-dim fixed), required exactly when the caches are fp8 (``hal.fp8.Fp8KVCache``)."""
     tokens, q_heads, head_dim = q.shape
     kv_fp8 = k_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -658,11 +729,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         per_stage = 2 * kv_chunk * head_dim * q.element_size()
         num_stages = max(1, min(num_stages, (200 * 1024) // per_stage))
     per_program = min(splits_per_program, max_splits) if split_parallel else 1
+    if nested_splits is None:
+        # wgmma tiles (prefill) need the nested loops (``_attention_kernel``: else ptxas serialises their
+        # wgmmas); decode's 16-row tiles keep the flat loop, whose K/V loads stream across split boundaries.
+        nested_splits = not shape["decode"]
     meta = dict(PAGE_SIZE=page, KV_SPLIT=split, GROUP_PAD=group_pad, HEAD_SPLIT=head_split,
                 SPLITS_PER_PROGRAM=per_program, HEADS_FASTEST=heads_fastest, BLOCK_Q=block_q, HEAD_DIM=head_dim,
                 IS_BF16=is_bf16, UPCAST=INTERPRET and is_bf16, KV_CHUNK=kv_chunk, BLOCK_B=BLOCK_B, TMA=tma,
                 EXP2=spec.exp == "exp2", ROUNDED_SUM=spec.row_sum == "sum_of_rounded_p", KV_FP8=kv_fp8,
-                PER_TOKEN_SCALE=per_token_scale, OPERAND_BARRIER=kv_fp8 and not INTERPRET,
+                PER_TOKEN_SCALE=per_token_scale, OPERAND_BARRIER=kv_fp8 and not INTERPRET, NESTED_SPLITS=nested_splits,
                 num_warps=num_warps or decode.get("num_warps") or shape["num_warps"], num_stages=num_stages, **LAUNCH)
     if maxnreg and not INTERPRET:
         meta["maxnreg"] = maxnreg
