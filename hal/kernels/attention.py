@@ -136,7 +136,7 @@ def _chunk(q, m, l, acc, n0, b, kvh, positions, seq_len, q_row_ok, ones, k_cache
            PAGE_SIZE: tl.constexpr, KV_CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr, IS_BF16: tl.constexpr,
            UPCAST: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr, EXP2: tl.constexpr,
            ROUNDED_SUM: tl.constexpr, KV_FP8: tl.constexpr, PER_TOKEN_SCALE: tl.constexpr,
-           OPERAND_BARRIER: tl.constexpr):
+           OPERAND_BARRIER: tl.constexpr, BAD_V_BY_MIN: tl.constexpr):
     """One KV chunk of the recurrence in the module docstring. MASKED=False only for chunks every
     row of the tile sees entirely; the unmasked formulas are the masked ones with every key visible.
     TMA: the chunk lies in one page and the caches are tensor descriptors of 2-D views whose rows
@@ -207,13 +207,13 @@ def _chunk(q, m, l, acc, n0, b, kvh, positions, seq_len, q_row_ok, ones, k_cache
         # sees a non-finite V entry are set to NaN after the update. Only masked chunks pay. "Sees" two
         # equal ways: a dot of 0/1 indicators (counts <= KV_CHUNK, exact in any dot), or, since a row sees
         # the keys up to its position (and before seq_len), the column's first bad key at or before the
-        # row's position (a min over the keys per column). The dot's fp32 (rows x head_dim) tile costs a
-        # 64-row tile 64 registers a thread, which made ptxas serialise every wgmma of the prefill kernel
-        # (its C7512); a 16-row decode tile's masked chunk is shorter with the dot (sm_90 SASS: 1276
-        # instructions against 1628 with the min).
+        # row's position (a min over the keys per column: BAD_V_BY_MIN). The dot's fp32 (rows x head_dim)
+        # tile costs a 64-row tile 64 registers a thread, which made ptxas serialise every wgmma of the
+        # nested-loop prefill kernel (its C7512); a 16-row decode tile's masked chunk is shorter with the
+        # dot (sm_90 SASS: 1276 instructions against 1628 with the min).
         v_bad = (v != v) | (tl.abs(v) == float("inf"))
         v = tl.where(v_bad, 0.0, v)
-        if q.shape[0] >= 64:   # query rows of the tile
+        if BAD_V_BY_MIN:
             first_bad = tl.min(tl.where(v_bad & key_ok[:, None], keys[:, None], 2147483647), axis=0)
             sees_bad = q_row_ok[:, None] & (first_bad[None, :] <= positions[:, None])
         elif IS_BF16 and not UPCAST:
@@ -394,13 +394,13 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part
                                block_table_ptr, stride_bt, stride_kp, stride_kr, stride_kh, scale_log2e, offs_d,
                                k_scale_ptr, v_scale_ptr, stride_sp, stride_sr, stride_sh,
                                PAGE_SIZE, KV_CHUNK, HEAD_DIM, IS_BF16, UPCAST, False, TMA, EXP2, ROUNDED_SUM, KV_FP8,
-                               PER_TOKEN_SCALE, OPERAND_BARRIER)
+                               PER_TOKEN_SCALE, OPERAND_BARRIER, BLOCK_M >= 64)
             for n0 in range(unmasked_end, split_end, KV_CHUNK):
                 m, l, acc = _chunk(q, m, l, acc, n0, b, kvh, positions, seq_len, q_row_ok, ones, k_cache_ptr, v_cache_ptr,
                                block_table_ptr, stride_bt, stride_kp, stride_kr, stride_kh, scale_log2e, offs_d,
                                k_scale_ptr, v_scale_ptr, stride_sp, stride_sr, stride_sh,
                                PAGE_SIZE, KV_CHUNK, HEAD_DIM, IS_BF16, UPCAST, True, TMA, EXP2, ROUNDED_SUM, KV_FP8,
-                               PER_TOKEN_SCALE, OPERAND_BARRIER)
+                               PER_TOKEN_SCALE, OPERAND_BARRIER, BLOCK_M >= 64)
             sees_split = q_row_ok & (positions >= split_start)
             if SPLIT_PARALLEL:
                 _store_split(part_m_ptr, part_l_ptr, part_a_ptr, m, l, acc, split_start // KV_SPLIT, sees_split,
@@ -419,7 +419,7 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part
                                block_table_ptr, stride_bt, stride_kp, stride_kr, stride_kh, scale_log2e, offs_d,
                                k_scale_ptr, v_scale_ptr, stride_sp, stride_sr, stride_sh,
                                PAGE_SIZE, KV_CHUNK, HEAD_DIM, IS_BF16, UPCAST, False, TMA, EXP2, ROUNDED_SUM, KV_FP8,
-                               PER_TOKEN_SCALE, OPERAND_BARRIER)
+                               PER_TOKEN_SCALE, OPERAND_BARRIER, False)
             big_m, big_l, big_a, m, l, acc = _end_of_chunk(
                 big_m, big_l, big_a, m, l, acc, n0, hi, q_row_ok, positions, token, head, num_q_heads, max_splits,
                 part_m_ptr, part_l_ptr, part_a_ptr, offs_d, HEAD_DIM, KV_CHUNK, KV_SPLIT, SPLIT_PARALLEL,
@@ -429,7 +429,7 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part
                                block_table_ptr, stride_bt, stride_kp, stride_kr, stride_kh, scale_log2e, offs_d,
                                k_scale_ptr, v_scale_ptr, stride_sp, stride_sr, stride_sh,
                                PAGE_SIZE, KV_CHUNK, HEAD_DIM, IS_BF16, UPCAST, True, TMA, EXP2, ROUNDED_SUM, KV_FP8,
-                               PER_TOKEN_SCALE, OPERAND_BARRIER)
+                               PER_TOKEN_SCALE, OPERAND_BARRIER, False)
             big_m, big_l, big_a, m, l, acc = _end_of_chunk(
                 big_m, big_l, big_a, m, l, acc, n0, hi, q_row_ok, positions, token, head, num_q_heads, max_splits,
                 part_m_ptr, part_l_ptr, part_a_ptr, offs_d, HEAD_DIM, KV_CHUNK, KV_SPLIT, SPLIT_PARALLEL,
