@@ -10,8 +10,8 @@ inputs, and compares the bit patterns (``view(int16)``, so NaNs compare too). On
 NaN and Inf into V of keys that some rows see and others do not, and into never-written slots past the
 sequence ([attention].mask). A difference fails the run.
 
-``alt``: the current kernel with the other loop structure (``nested_splits``: the flat chunk loop for prefill,
-the nested split loop for decode), bits and time, to show what the default's choice is worth.
+``alt``: the current kernel with the nested split loop (``nested_splits=True``; the default is the flat chunk
+loop of the old kernel), bits and time: what making it the default would be worth, per phase.
 
 Time: CUDA-graph replay (``triton.testing.do_bench_cudagraph``, median), new, old and alt twice each in turn
 (the table shows the better of the two; both are in the JSON), SDPA flash on contiguous K/V for one-sequence
@@ -131,7 +131,7 @@ def main() -> int:
         if phase == "chunked prefill":
             out = new()
             row["nan_outputs"] = int(torch.isnan(out.float()).sum())
-        alt = dict(nested_splits=phase.startswith("decode"))   # the loop structure the default does not take here
+        alt = dict(nested_splits=True)   # the nested split loop (``paged_attention``'s default is the flat loop)
         row["alt_launch"] = alt
         try:
             row["identical"]["alt"] = same = torch.equal(_bits(new(**alt)), _bits(old()))

@@ -138,7 +138,7 @@ def attention_rows():
                                              "stride_sh"))
         yield (f"attention {phase}{' fp8 KV' if fp8 else ''}: {shape['rows']} rows, "
                f"{shape['splits_per_program']} split(s)/program, w{shape['num_warps']} s{shape['num_stages']}"
-               + (" TMA" if shape["tma"] else ""), report(compiled))
+               + (" TMA" if shape["tma"] else "") + ("" if shape["decode"] else " nested splits"), report(compiled))
 
 
 def fp8_gemm_rows():

@@ -730,9 +730,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         num_stages = max(1, min(num_stages, (200 * 1024) // per_stage))
     per_program = min(splits_per_program, max_splits) if split_parallel else 1
     if nested_splits is None:
-        # wgmma tiles (prefill) need the nested loops (``_attention_kernel``: else ptxas serialises their
-        # wgmmas); decode's 16-row tiles keep the flat loop, whose K/V loads stream across split boundaries.
-        nested_splits = not shape["decode"]
+        # The nested loops are what a wgmma tile (prefill) needs for ptxas not to serialise its wgmmas
+        # (``_attention_kernel``), decode's 16-row tiles keep the flat loop (its K/V loads stream across
+        # split boundaries). Not yet the default for prefill: its bits and speed have not been measured on
+        # a GPU (the sm_90 compile and the interpreter only): ``bash bench/h200.sh attention-ab``.
+        nested_splits = False
     meta = dict(PAGE_SIZE=page, KV_SPLIT=split, GROUP_PAD=group_pad, HEAD_SPLIT=head_split,
                 SPLITS_PER_PROGRAM=per_program, HEADS_FASTEST=heads_fastest, BLOCK_Q=block_q, HEAD_DIM=head_dim,
                 IS_BF16=is_bf16, UPCAST=INTERPRET and is_bf16, KV_CHUNK=kv_chunk, BLOCK_B=BLOCK_B, TMA=tma,
