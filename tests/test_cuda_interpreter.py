@@ -641,3 +641,46 @@ def test_narrow_rms_norm_is_the_pairwise_tree_for_every_launch(cuda, residual):
     for j in range(128):
         serial = serial + x[:, j] * x[:, j]
     assert not torch.equal(x * _fp32_inverse_rms(serial, 128, 1e-6)[:, None], tree)
+
+
+def test_nested_split_loop_gives_the_flat_loops_bits(cuda):
+    """``nested_splits`` (a loop over the splits with the chunk loops inside, the structure a wgmma tile needs
+    for ptxas to keep its MMAs pipelined) against the flat chunk loop: the same bits for prefill, chunked
+    prefill and decode rows in one batch, contexts crossing chunk (32) and split (96) boundaries, on the
+    in-kernel walk and on parallel splits (one and two a program), with 16- and 64-row tiles (the 64-row tile
+    finds the rows that see a non-finite V by each column's first bad key, the 16-row one by a 0/1 dot), and
+    NaN / Inf planted in V of keys that some rows of a tile see and others do not. Negative control: another
+    split size gives other bits (the comparison can fail)."""
+    from hal.backends.cuda.launch import CUDA_LAUNCH
+    from hal.conformance.checks import random_tensor
+    from hal.kernels import attention
+    from hal.kvcache import build_metadata
+
+    g = torch.Generator().manual_seed(5)
+    page, hq, hkv, d = 16, 8, 2, 32
+    seq_lens, q_lens = [230, 97, 40], [70, 1, 40]
+    pages = [-(-n // page) for n in seq_lens]
+    order = torch.randperm(sum(pages), generator=g).tolist()
+    tables, at = [], 0
+    for n in pages:
+        tables.append(order[at: at + n])
+        at += n
+    k_cache = random_tensor((sum(pages), page, hkv, d), torch.bfloat16, g)
+    v_cache = random_tensor((sum(pages), page, hkv, d), torch.bfloat16, g)
+    for pos, value in ((200, float("nan")), (215, float("inf"))):          # seen by the later rows of seq 0
+        v_cache[tables[0][pos // page], pos % page, 0, 3:9] = value
+    q = random_tensor((sum(q_lens), hq, d), torch.bfloat16, g)
+    meta = build_metadata(q_lens, seq_lens, tables)
+
+    def run(kv_split, **launch):
+        return attention.paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_table,
+                                         d ** -0.5, _attention_spec(32, kv_split), policy=CUDA_LAUNCH, **launch)
+
+    launches = [dict(split_parallel=False, block_q=4), dict(split_parallel=False, block_q=16),
+                dict(split_parallel=True, block_q=4), dict(split_parallel=True, block_q=16, splits_per_program=2)]
+    for launch in launches:
+        flat = run(96, nested_splits=False, **launch)
+        nested = run(96, nested_splits=True, **launch)
+        assert torch.equal(nested.view(torch.int16), flat.view(torch.int16)), launch
+    assert torch.isnan(flat.float()).any() and torch.isfinite(flat.float()).any()   # the planted values reached rows
+    assert not torch.equal(run(64, nested_splits=True, **launches[1]).view(torch.int16), flat.view(torch.int16))
