@@ -159,14 +159,17 @@ def main() -> int:
         row["alt_us"] = min(us["alt1"], us["alt2"])
         row["old_over_new"] = row["old_us"] / row["new_us"]
         if "sdpa_flash" in us:
-            row["sdpa_over_new"], row["sdpa_over_old"] = us["sdpa_flash"] / row["new_us"], us["sdpa_flash"] / row["old_us"]
+            row["sdpa_over_new"] = us["sdpa_flash"] / row["new_us"]
+            row["sdpa_over_old"] = us["sdpa_flash"] / row["old_us"]
+            row["sdpa_over_alt"] = us["sdpa_flash"] / row["alt_us"]
         rows.append(row)
         del q, kc, vc, meta, inputs
         torch.cuda.empty_cache()
         print(f"{phase:>15} B={len(seq_lens):<3} L={seq_lens[0]:<6} q={q_lens[0]:<5} {hq}/{hkv} d{d} p{page}: "
               f"new {row['new_us']:.1f} us, old {row['old_us']:.1f} us, old/new {row['old_over_new']:.2f}, "
-              f"{'nested' if alt['nested_splits'] else 'flat'} loop {row['alt_us']:.1f} us"
-              + (f", SDPA flash/new {row['sdpa_over_new']:.2f} (old {row['sdpa_over_old']:.2f})"
+              f"nested loop {row['alt_us']:.1f} us"
+              + (f", SDPA flash / new {row['sdpa_over_new']:.2f}, / old {row['sdpa_over_old']:.2f}, "
+                 f"/ nested {row['sdpa_over_alt']:.2f}"
                  if "sdpa_over_new" in row else "")
               + ("" if all(row["identical"].values()) else f"  DIFFER {row['identical']}")
               + (f"  nan outputs {row['nan_outputs']}" if "nan_outputs" in row else "")

@@ -27,9 +27,11 @@ choices (every row's recurrence is its own, so its bits are the same either way)
   * the query-tile size, how many programs share one KV head's query heads, warps and pipeline
     depth, and the order in which programs are numbered (``HEADS_FASTEST``: the programs reading
     the same pages run side by side; for prefill, the longest tiles of every head start first);
-  * whether a program walks all splits (``SPLIT_PARALLEL`` off: prefill; a loop over its splits,
-    each split's chunks in an inner loop, its state merged into (M, L, A) after them) or each split
-    runs in its own program and
+  * whether a program walks all splits (``SPLIT_PARALLEL`` off: prefill; one flat loop over the
+    chunks that merges the split state into (M, L, A) after each split's last chunk, so the K/V
+    loads stream across split boundaries; or, ``NESTED_SPLITS``, a loop over the splits with each
+    split's chunks in inner loops, which keeps a wgmma tile's MMAs pipelined) or each split runs in
+    its own program and
     ``_merge_kernel`` merges them (decode: fills and balances the GPU at any batch), and how many
     consecutive splits one such program walks (``SPLITS_PER_PROGRAM``, each stored as its own
     partial: fewer, longer programs pay the start-up - finding the sequence, the first loads - less
@@ -390,14 +392,14 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part
             l = tl.zeros((BLOCK_M,), dtype=tl.float32)
             acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
             for n0 in range(split_start, unmasked_end, KV_CHUNK):
-                m, l, acc = _chunk(q, m, l, acc, n0, b, kvh, positions, seq_len, q_row_ok, ones, k_cache_ptr, v_cache_ptr,
-                               block_table_ptr, stride_bt, stride_kp, stride_kr, stride_kh, scale_log2e, offs_d,
+                m, l, acc = _chunk(q, m, l, acc, n0, b, kvh, positions, seq_len, q_row_ok, ones, k_cache_ptr,
+                               v_cache_ptr, block_table_ptr, stride_bt, stride_kp, stride_kr, stride_kh, scale_log2e, offs_d,
                                k_scale_ptr, v_scale_ptr, stride_sp, stride_sr, stride_sh,
                                PAGE_SIZE, KV_CHUNK, HEAD_DIM, IS_BF16, UPCAST, False, TMA, EXP2, ROUNDED_SUM, KV_FP8,
                                PER_TOKEN_SCALE, OPERAND_BARRIER, BLOCK_M >= 64)
             for n0 in range(unmasked_end, split_end, KV_CHUNK):
-                m, l, acc = _chunk(q, m, l, acc, n0, b, kvh, positions, seq_len, q_row_ok, ones, k_cache_ptr, v_cache_ptr,
-                               block_table_ptr, stride_bt, stride_kp, stride_kr, stride_kh, scale_log2e, offs_d,
+                m, l, acc = _chunk(q, m, l, acc, n0, b, kvh, positions, seq_len, q_row_ok, ones, k_cache_ptr,
+                               v_cache_ptr, block_table_ptr, stride_bt, stride_kp, stride_kr, stride_kh, scale_log2e, offs_d,
                                k_scale_ptr, v_scale_ptr, stride_sp, stride_sr, stride_sh,
                                PAGE_SIZE, KV_CHUNK, HEAD_DIM, IS_BF16, UPCAST, True, TMA, EXP2, ROUNDED_SUM, KV_FP8,
                                PER_TOKEN_SCALE, OPERAND_BARRIER, BLOCK_M >= 64)
