@@ -61,10 +61,26 @@ def report(compiled) -> dict:
         sass = subprocess.run([os.path.join(TOOLS, "cuobjdump"), "-sass", cubin.name],
                               capture_output=True, text=True, check=True).stdout
     found = re.search(r"REG:(\d+).*?STACK:(\d+)", usage)
+    waits = " ".join(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)) or "-"
+    if ptxas_serialises_wgmma(ptx):
+        waits += " serialised"
     return dict(registers=int(found.group(1)), spill_stack_bytes=int(found.group(2)),
                 shared_bytes=compiled.metadata.shared, wgmma=len(re.findall(r"wgmma\.mma_async", ptx)),
-                wgmma_waits=" ".join(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)) or "-",
-                loops=loop_sizes(sass))
+                wgmma_waits=waits, loops=loop_sizes(sass))
+
+
+def ptxas_serialises_wgmma(ptx: str) -> bool:
+    """Whether ptxas (Triton's own, sm_90a) says it serialised the kernel's wgmmas (its C751x performance notes:
+    every wgmma of the kernel then waits for the previous one; the prefill kernel's flat split loop did, C7515)."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        info = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", path, "-o", os.path.join(tmp, "k.cubin")],
+                              capture_output=True, text=True, check=True).stderr
+    return "wgmma.mma_async instructions are serialized" in info
 
 
 GEMM_TYPES = dict(bias_ptr="*bf16", out_ptr="*bf16", partial_ptr="*fp32", M="i32", N="i32", K="i32",
@@ -110,14 +126,18 @@ ATTENTION_TYPES = dict(q_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16", 
 
 def attention_rows():
     """Prefill (64-key pages) and decode (16-key pages) of 32 query / 8 KV heads of 128, bf16: the
-    default launch shapes, and decode programs that walk 2 or 4 consecutive splits; then decode over the
-    FP8 KV cache ([fp8], per (token, head) scales) at the default decode shape, whose chunk loop shows what
-    the read path's dequantisation costs against the bf16 cache's (``loop`` below: the unmasked chunk loop)."""
+    default launch shapes (prefill also with the nested split loop, ``nested_splits``), and decode programs
+    that walk 2 or 4 consecutive splits; then decode over the FP8 KV cache ([fp8], per (token, head) scales)
+    at the default decode shape, whose chunk loop shows what the read path's dequantisation costs against
+    the bf16 cache's (``loop`` below: the unmasked chunk loop)."""
     for phase, tokens, seqs, page, override, fp8 in [
-            ("prefill", 4096, 1, 64, {}, False), ("decode", 8, 8, 16, {}, False),
+            ("prefill", 4096, 1, 64, {}, False), ("prefill", 4096, 1, 64, dict(nested_splits=True), False),
+            ("decode", 8, 8, 16, {}, False),
             ("decode", 8, 8, 16, dict(splits_per_program=2), False),
             ("decode", 8, 8, 16, dict(splits_per_program=4), False),
-            ("prefill", 4096, 1, 64, dict(tma=True), False), ("decode", 8, 8, 64, dict(tma=True), False),
+            ("prefill", 4096, 1, 64, dict(tma=True), False),
+            ("prefill", 4096, 1, 64, dict(tma=True, nested_splits=True), False),
+            ("decode", 8, 8, 64, dict(tma=True), False),
             ("decode", 8, 8, 64, dict(tma=True, splits_per_program=2), False),
             ("decode", 8, 8, 16, dict(splits_per_program=2), True)]:
         shape = dict(attention._launch_shape(tokens, seqs, group_pad=4), **override)
@@ -131,14 +151,15 @@ def attention_rows():
                          BLOCK_Q=max(1, shape["rows"] // (4 // shape["head_split"])), HEAD_DIM=128,
                          SPLIT_PARALLEL=shape["decode"], IS_BF16=True, UPCAST=False, KV_CHUNK=64,
                          BLOCK_B=attention.BLOCK_B, TMA=shape["tma"], EXP2=True, ROUNDED_SUM=True, KV_FP8=fp8,
-                         PER_TOKEN_SCALE=fp8, OPERAND_BARRIER=fp8, NESTED_SPLITS=not shape["decode"])
+                         PER_TOKEN_SCALE=fp8, OPERAND_BARRIER=fp8, NESTED_SPLITS=shape.get("nested_splits", False))
         compiled = compile_for_hopper(attention._attention_kernel, types, constants, shape["num_warps"],
                                       shape["num_stages"],
                                       not16=("num_seqs", "num_tiles", "group", "max_splits", "num_q_heads",
                                              "stride_sh"))
         yield (f"attention {phase}{' fp8 KV' if fp8 else ''}: {shape['rows']} rows, "
                f"{shape['splits_per_program']} split(s)/program, w{shape['num_warps']} s{shape['num_stages']}"
-               + (" TMA" if shape["tma"] else "") + ("" if shape["decode"] else " nested splits"), report(compiled))
+               + (" TMA" if shape["tma"] else "") + (" nested splits" if shape.get("nested_splits") else ""),
+               report(compiled))
 
 
 def fp8_gemm_rows():
@@ -151,7 +172,7 @@ def fp8_gemm_rows():
         compiled = fp8_gemm_sm90.compile_offline(cfg)
         ptxas = fp8_gemm_sm90.ptxas_report(compiled)
         row = report(compiled)
-        row["wgmma_waits"] += " serialised" if ptxas["serialised"] else ""
+        row["wgmma_waits"] += " serialised" if ptxas["serialised"] and "serialised" not in row["wgmma_waits"] else ""
         yield f"fp8 gemm sm90 (Gluon{' ws' if ws else ''}) {bm}x{bn} w{warps} s{stages} u{unroll}", row
 
 
