@@ -29,7 +29,7 @@ import tempfile
 import triton
 
 from hal.contract import load_contract
-from hal.kernels import attention, gemm
+from hal.kernels import attention, fp8_gemm_sm90, gemm
 from hal.kernels.offline import compile_for_hopper
 
 TOOLS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -62,25 +62,11 @@ def report(compiled) -> dict:
                               capture_output=True, text=True, check=True).stdout
     found = re.search(r"REG:(\d+).*?STACK:(\d+)", usage)
     waits = " ".join(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)) or "-"
-    if ptxas_serialises_wgmma(ptx):
+    if fp8_gemm_sm90.ptxas_report(compiled)["serialised"]:   # every wgmma of the kernel waits for the one before
         waits += " serialised"
     return dict(registers=int(found.group(1)), spill_stack_bytes=int(found.group(2)),
                 shared_bytes=compiled.metadata.shared, wgmma=len(re.findall(r"wgmma\.mma_async", ptx)),
                 wgmma_waits=waits, loops=loop_sizes(sass))
-
-
-def ptxas_serialises_wgmma(ptx: str) -> bool:
-    """Whether ptxas (Triton's own, sm_90a) says it serialised the kernel's wgmmas (its C751x performance notes:
-    every wgmma of the kernel then waits for the previous one; the prefill kernel's flat split loop did, C7515)."""
-    from triton.backends.nvidia.compiler import get_ptxas
-
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "kernel.ptx")
-        with open(path, "w") as f:
-            f.write(ptx)
-        info = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", path, "-o", os.path.join(tmp, "k.cubin")],
-                              capture_output=True, text=True, check=True).stderr
-    return "wgmma.mma_async instructions are serialized" in info
 
 
 GEMM_TYPES = dict(bias_ptr="*bf16", out_ptr="*bf16", partial_ptr="*fp32", M="i32", N="i32", K="i32",
@@ -164,15 +150,13 @@ def attention_rows():
 
 def fp8_gemm_rows():
     """The Gluon block-FP8 GEMM (hal/kernels/fp8_gemm_sm90.py) at its launches: the overlap is the wgmma wait
-    for 1 outstanding group; ``serialised`` is ptxas's C7514 (every wgmma of the kernel serialised)."""
-    from hal.kernels import fp8_gemm, fp8_gemm_sm90
+    for 1 outstanding group; ``serialised`` is ptxas's C751x (every wgmma of the kernel serialised)."""
+    from hal.kernels import fp8_gemm
 
     for bm, bn, warps, stages, unroll, ws in fp8_gemm._SM90_TILES:
         cfg = dict(BLOCK_M=bm, BLOCK_N=bn, GROUP_M=8, num_warps=warps, num_stages=stages, unroll=unroll, ws=ws)
         compiled = fp8_gemm_sm90.compile_offline(cfg)
-        ptxas = fp8_gemm_sm90.ptxas_report(compiled)
-        row = report(compiled)
-        row["wgmma_waits"] += " serialised" if ptxas["serialised"] and "serialised" not in row["wgmma_waits"] else ""
+        row = report(compiled)    # ``serialised`` in its waits: ptxas's C751x notes
         yield f"fp8 gemm sm90 (Gluon{' ws' if ws else ''}) {bm}x{bn} w{warps} s{stages} u{unroll}", row
 
 

@@ -459,7 +459,7 @@ def compile_offline(cfg: dict, group: int = 128, has_bias: bool = False, out_bf1
 def ptxas_report(compiled) -> dict:
     """ptxas (Triton's own, sm_90a) on the compiled PTX: registers, spill bytes, the register counts the
     partitions of a warp-specialised kernel set (``setmaxnreg``), the wgmma waits in the PTX (a wait for 1
-    outstanding group is the overlap), and whether ptxas serialised the wgmmas (its C7514 / C7515 performance
+    outstanding group is the overlap), and whether ptxas serialised the wgmmas (its C751x performance
     warnings; C7517 is a wait it injected)."""
     import os
     import re
@@ -481,5 +481,6 @@ def ptxas_report(compiled) -> dict:
     return dict(registers=int(registers.group(1)) if registers else None, spill_bytes=max(spills, default=0),
                 setmaxnreg=sorted({int(r) for r in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}),
                 waits=[int(w) for w in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)],
-                serialised=bool(re.search(r"\(C751[45]\)", info)), injected_wait=bool(re.search(r"\(C7517\)", info)),
+                serialised="wgmma.mma_async instructions are serialized" in info,
+                injected_wait=bool(re.search(r"\(C7517\)", info)),
                 ptxas_info=[line for line in info.splitlines() if "C75" in line])
