@@ -255,7 +255,10 @@ def test_masked_nan_keys_contribute_nothing_on_every_launch_path(cuda):
     in V of key 190 (head dims 0..11 only) and in the slots past seq_len: queries before 190 keep the
     clean bits on the in-kernel split walk and on parallel splits + merge, unmasked (below-diagonal)
     chunks included; queries from 190 on are non-finite in exactly dims 0..11 and keep the clean bits
-    in the others (an output element is poisoned by the V entries of its own column only)."""
+    in the others (an output element is poisoned by the V entries of its own column only). Every launch
+    gives the clean bits on the clean caches: 64-row tiles (block_q 32 of a group of 2) take the masked
+    chunk's finite-V fast path there (``_chunk``), 16-row tiles always the repair; planted, the 64-row
+    tile's chunk 128..191 falls back to the repair (its V holds the NaN)."""
     from hal.backends.cuda.launch import CUDA_LAUNCH
     from hal.conformance.checks import random_tensor
     from hal.kernels import attention
@@ -269,7 +272,8 @@ def test_masked_nan_keys_contribute_nothing_on_every_launch_path(cuda):
     q = random_tensor((q_len, 2, 64), torch.bfloat16, g)
     meta = build_metadata([q_len], [seq_len], [pages + [5]])       # page 5: in the table, never written
     launches = [dict(split_parallel=False, block_q=8), dict(split_parallel=True, block_q=8),
-                dict(split_parallel=True, block_q=4, splits_per_program=2)]
+                dict(split_parallel=True, block_q=4, splits_per_program=2),
+                dict(split_parallel=False, block_q=32, nested_splits=True), dict(split_parallel=False, block_q=32)]
 
     def run(k, v, launch):
         return attention.paged_attention(q, k, v, meta.query_start_loc, meta.seq_lens, meta.block_table,
@@ -284,6 +288,7 @@ def test_masked_nan_keys_contribute_nothing_on_every_launch_path(cuda):
     k[5], v[5] = float("inf"), float("nan")
     first_seeing = bad - (seq_len - q_len)
     for launch in launches:
+        assert torch.equal(run(k_cache, v_cache, launch), clean), launch
         planted = run(k, v, launch)
         assert torch.equal(planted[:first_seeing], clean[:first_seeing]), launch
         assert not torch.isfinite(planted[first_seeing:, :, :12].float()).any(), launch

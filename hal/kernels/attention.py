@@ -132,19 +132,19 @@ def _dequantise(x, scale_ptr, scale_off, key_ok, MASKED: tl.constexpr, PER_TOKEN
 
 
 @triton.jit
-def _chunk(q, m, l, acc, n0, b, kvh, positions, seq_len, q_row_ok, ones, k_cache_ptr, v_cache_ptr, block_table_ptr,
+def _chunk(q, m, l, acc, n0, b, kvh, positions, first_position, seq_len, q_row_ok, ones, k_cache_ptr, v_cache_ptr, block_table_ptr,
            stride_bt, stride_kp, stride_kr, stride_kh, scale_log2e, offs_d, k_scale_ptr, v_scale_ptr,
            stride_sp, stride_sr, stride_sh,
            PAGE_SIZE: tl.constexpr, KV_CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr, IS_BF16: tl.constexpr,
            UPCAST: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr, EXP2: tl.constexpr,
            ROUNDED_SUM: tl.constexpr, KV_FP8: tl.constexpr, PER_TOKEN_SCALE: tl.constexpr,
-           OPERAND_BARRIER: tl.constexpr, BAD_V_BY_MIN: tl.constexpr):
+           OPERAND_BARRIER: tl.constexpr, BAD_V_BY_MIN: tl.constexpr, FINITE_FAST_PATH: tl.constexpr):
     """One KV chunk of the recurrence in the module docstring. MASKED=False only for chunks every
     row of the tile sees entirely; the unmasked formulas are the masked ones with every key visible.
     TMA: the chunk lies in one page and the caches are tensor descriptors of 2-D views whose rows
     are one token apart (row stride ``stride_kr``): one head's KV_CHUNK keys are a (KV_CHUNK,
     HEAD_DIM) block at the row and column of its first element. The copy engine brings the same
-    K/V rows (keys past the sequence are zeroed below, as the masked pointer loads zero them).
+    K/V rows (rows past the sequence: the masked pointer loads zero them, ``_masked_repair`` those by TMA).
     KV_FP8: the caches hold [fp8].kv_format values (never by descriptor), dequantised as they are
     loaded by [fp8]'s one read path (``_dequantise``): the MMAs then see the very K/V tiles that a bf16
     cache holding the dequantised values would give them, so the bits are that cache's."""
@@ -156,8 +156,8 @@ def _chunk(q, m, l, acc, n0, b, kvh, positions, seq_len, q_row_ok, ones, k_cache
         col = (first % stride_kr).to(tl.int32)
         k = k_cache_ptr.load([row, col])
         v = v_cache_ptr.load([row, col])
-        if MASKED:
-            key_ok = keys < seq_len
+        key_ok = keys < seq_len
+        if MASKED and not FINITE_FAST_PATH:  # else only if the chunk needs ``_masked_repair``
             v = tl.where(key_ok[:, None], v, 0.0)  # never-written slots may hold NaN: 0 * NaN is NaN
     elif PAGE_SIZE % KV_CHUNK == 0:  # the chunk lies in one page
         page = tl.load(block_table_ptr + b * stride_bt + n0 // PAGE_SIZE).to(tl.int64)
@@ -195,33 +195,13 @@ def _chunk(q, m, l, acc, n0, b, kvh, positions, seq_len, q_row_ok, ones, k_cache
     if MASKED:
         visible = (keys[None, :] <= positions[:, None]) & key_ok[None, :] & q_row_ok[:, None]
         s = tl.where(visible, s, float("-inf"))
-        row_visits = tl.max(visible.to(tl.int32), axis=1) > 0
+        # Rows past their position see no key of the chunk: rows are queries at positions < seq_len, so a
+        # row sees the chunk's first key iff it sees any (the max over ``visible`` along the keys).
+        row_visits = q_row_ok & (positions >= n0)
         m_new = tl.maximum(m, tl.max(s, axis=1))
         m_safe = tl.where(row_visits, m_new, 0.0)
         alpha = _exp(m - m_safe, EXP2)
         p = tl.where(visible, _exp(s - m_safe[:, None], EXP2), 0.0)
-        # [attention].mask: a masked key contributes nothing, whatever its K and V hold (NaN, Inf,
-        # a never-written slot). Its score is selected out above (a NaN s stays in its own column:
-        # q.k is per key). Its V row is not: P is 0 there, but 0 * NaN = NaN inside P @ V, and a
-        # key masked for one row of the tile may be visible to another, so V cannot be selected
-        # per row. Instead non-finite V entries are selected to 0 before the dot (finite values
-        # pass unchanged: no bit changes for finite inputs), and the (row, dim) outputs whose row
-        # sees a non-finite V entry are set to NaN after the update. Only masked chunks pay. "Sees" two
-        # equal ways: a dot of 0/1 indicators (counts <= KV_CHUNK, exact in any dot), or, since a row sees
-        # the keys up to its position (and before seq_len), the column's first bad key at or before the
-        # row's position (a min over the keys per column: BAD_V_BY_MIN). The dot's fp32 (rows x head_dim)
-        # tile costs a 64-row tile 64 registers a thread, which made ptxas serialise every wgmma of the
-        # nested-loop prefill kernel (its C7512); a 16-row decode tile's masked chunk is shorter with the
-        # dot (sm_90 SASS: 1276 instructions against 1628 with the min).
-        v_bad = (v != v) | (tl.abs(v) == float("inf"))
-        v = tl.where(v_bad, 0.0, v)
-        if BAD_V_BY_MIN:
-            first_bad = tl.min(tl.where(v_bad & key_ok[:, None], keys[:, None], 2147483647), axis=0)
-            sees_bad = q_row_ok[:, None] & (first_bad[None, :] <= positions[:, None])
-        elif IS_BF16 and not UPCAST:
-            sees_bad = tl.dot(visible.to(tl.bfloat16), v_bad.to(tl.bfloat16)) > 0
-        else:
-            sees_bad = tl.dot(visible.to(tl.float32), v_bad.to(tl.float32), input_precision="ieee") > 0
     else:
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = _exp(m - m_new, EXP2)
@@ -229,38 +209,89 @@ def _chunk(q, m, l, acc, n0, b, kvh, positions, seq_len, q_row_ok, ones, k_cache
     if not ROUNDED_SUM:
         # [attention].row_sum = "sum_of_fp32_p": the fp32 P before its rounding, summed by an fp32
         # "ieee" dot (FMA steps along the keys, the same for every tile shape), never a tl.sum tree
-        row_sum_fp32 = tl.max(tl.dot(p, tl.full((KV_CHUNK, 16), 1.0, dtype=tl.float32), input_precision="ieee"),
-                              axis=1)
+        row_sum = tl.max(tl.dot(p, tl.full((KV_CHUNK, 16), 1.0, dtype=tl.float32), input_precision="ieee"), axis=1)
     if IS_BF16:
         if UPCAST:  # the interpreter's .to(bf16) truncates; keep fp32 operands holding bf16 values
             p = round_to_bf16(p)
         else:  # round-to-nearest-even, the same bits as round_to_bf16
             p = p.to(tl.bfloat16)
-    if IS_BF16 and not UPCAST:
-        if ROUNDED_SUM:
-            row_sum = tl.max(tl.dot(p, ones), axis=1)
-        pv = tl.dot(p, v)
-    else:
-        if ROUNDED_SUM:
-            row_sum = tl.max(tl.dot(p, ones, input_precision="ieee"), axis=1)
-        pv = tl.dot(p, v, input_precision="ieee")
-    if not ROUNDED_SUM:
-        row_sum = row_sum_fp32
+    if ROUNDED_SUM:
+        row_sum = tl.max(_dot(p, ones, IS_BF16 and not UPCAST), axis=1)
     l_new = l * alpha + row_sum
-    acc_new = acc * alpha[:, None] + pv
+    acc_new = acc * alpha[:, None] + _dot(p, v, IS_BF16 and not UPCAST)
     if MASKED:
-        # NaN once a row sees a non-finite V (it stays NaN in every later update). Selected on the
-        # sum, not on pv: a select between the dot and the add changed finite outputs' bits on the
-        # H200 (the dot's result must feed the add directly, presumably so that the compiler keeps
-        # using fl(acc * alpha) as the MMA's accumulator as in every unmasked chunk).
-        acc_new = tl.where(sees_bad, float("nan"), acc_new)
-        m = tl.where(row_visits, m_new, m)
-        l = tl.where(row_visits, l_new, l)
-        acc = tl.where(row_visits[:, None], acc_new, acc)
+        # [attention].mask: a masked key contributes nothing, whatever its K and V hold (NaN, Inf, a
+        # never-written slot). Its score is selected out above (a NaN s stays in its own column: q.k is
+        # per key). Its V row is not: P is 0 there, and 0 * x is 0 for a finite x, so with finite V the
+        # update above is exact for every row that sees the chunk, and leaves (m, l, acc) as they were
+        # (-inf, 0, 0) in a row that does not (such a row sees no later key of the split either). But
+        # 0 * NaN = NaN inside P @ V, and a key masked for one row may be visible to another, so V
+        # cannot be selected per row. A non-finite V entry reaches every row's P @ V (as NaN or
+        # +-Inf; P is finite), so a finite ``acc_new`` proves the chunk's V finite, at one FMA an
+        # element; else (and when TMA brought rows past the sequence: never-written slots) the
+        # update is done again with non-finite V entries selected to 0 (finite values pass
+        # unchanged: no bit changes for finite inputs), and the (row, dim) outputs whose row sees a
+        # non-finite V entry set to NaN after the update. The repair's select code made every masked
+        # chunk cost 5x an unmasked one (sm_90 SASS of the 64-row prefill tile: 2323 instructions
+        # against 417) when it ran each time.
+        if FINITE_FAST_PATH:
+            total = tl.sum(tl.sum(acc_new, axis=1), axis=0)  # finite only if every entry is (or a repair in vain)
+            repair = ~(tl.abs(total) < float("inf")) | (n0 > first_position)
+            if TMA:
+                repair = repair | (n0 + KV_CHUNK > seq_len)
+            if repair:
+                m, l, acc = _masked_repair(acc, alpha, p, v, m, l, m_new, l_new, keys, key_ok, positions, q_row_ok,
+                                           visible, row_visits, TMA and FINITE_FAST_PATH, IS_BF16 and not UPCAST, BAD_V_BY_MIN)
+            else:
+                m, l, acc = m_new, l_new, acc_new
+        else:
+            m, l, acc = _masked_repair(acc, alpha, p, v, m, l, m_new, l_new, keys, key_ok, positions, q_row_ok,
+                                       visible, row_visits, TMA and FINITE_FAST_PATH, IS_BF16 and not UPCAST, BAD_V_BY_MIN)
     else:
-        m = m_new
-        l = l_new
-        acc = acc_new
+        m, l, acc = m_new, l_new, acc_new
+    return m, l, acc
+
+
+@triton.jit
+def _dot(a, b, NATIVE: tl.constexpr):
+    """a @ b on the tensor cores: bf16 operands natively, fp32 ones (the interpreter's upcast bf16
+    values, fp32 models) with "ieee" precision."""
+    if NATIVE:
+        return tl.dot(a, b)
+    else:
+        return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
+def _masked_repair(acc, alpha, p, v, m, l, m_new, l_new, keys, key_ok, positions, q_row_ok, visible, row_visits,
+                   ZERO_PAST_END: tl.constexpr, NATIVE: tl.constexpr, BAD_V_BY_MIN: tl.constexpr):
+    """A masked chunk's update when its V holds a non-finite entry or rows past the sequence: V rows past
+    the sequence and non-finite V entries selected to 0, then the update; the (row, dim) outputs whose row
+    sees a non-finite V entry are NaN (and stay NaN in every later update); rows that see no key of the
+    chunk keep their state. "Sees" two equal ways: a dot of 0/1 indicators (counts <= KV_CHUNK, exact in
+    any dot), or, since a row sees the keys up to its position (and before seq_len), the column's first
+    bad key at or before the row's position (a min over the keys per column: BAD_V_BY_MIN). The dot's
+    fp32 (rows x head_dim) tile costs a 64-row tile 64 registers a thread, which made ptxas serialise
+    every wgmma of the nested-loop prefill kernel (its C7512)."""
+    if ZERO_PAST_END:  # V rows past the sequence, brought by TMA (pointer loads zero them)
+        v = tl.where(key_ok[:, None], v, 0.0)  # never-written slots may hold NaN: 0 * NaN is NaN
+    v_bad = (v != v) | (tl.abs(v) == float("inf"))
+    v = tl.where(v_bad, 0.0, v)
+    if BAD_V_BY_MIN:
+        first_bad = tl.min(tl.where(v_bad & key_ok[:, None], keys[:, None], 2147483647), axis=0)
+        sees_bad = q_row_ok[:, None] & (first_bad[None, :] <= positions[:, None])
+    elif NATIVE:
+        sees_bad = tl.dot(visible.to(tl.bfloat16), v_bad.to(tl.bfloat16)) > 0
+    else:
+        sees_bad = tl.dot(visible.to(tl.float32), v_bad.to(tl.float32), input_precision="ieee") > 0
+    acc_new = acc * alpha[:, None] + _dot(p, v, NATIVE)
+    # Selected on the sum, not on P @ V: a select between the dot and the add changed finite outputs'
+    # bits on the H200 (the dot's result must feed the add directly, presumably so that the compiler
+    # keeps using fl(acc * alpha) as the MMA's accumulator as in every unmasked chunk).
+    acc_new = tl.where(sees_bad, float("nan"), acc_new)
+    m = tl.where(row_visits, m_new, m)
+    l = tl.where(row_visits, l_new, l)
+    acc = tl.where(row_visits[:, None], acc_new, acc)
     return m, l, acc
 
 
@@ -376,6 +407,10 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part
     first_position = seq_len - q_len + q_first
     full_end = tl.maximum(lo, tl.minimum(hi, (first_position + 1) // KV_CHUNK * KV_CHUNK))
 
+    # Masked chunks of wgmma tiles take ``_chunk``'s finite-V fast path; 16-row tiles always repair: with
+    # both paths their kernel held 32 KB more shared memory (sm_90: 102.5 KB against 70.5 KB a program,
+    # 2 programs a multiprocessor instead of 3) and decoded 10-13% slower on the H100.
+    FFP: tl.constexpr = BLOCK_M >= 64
     big_m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     big_l = tl.zeros((BLOCK_M,), dtype=tl.float32)
     big_a = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
@@ -392,17 +427,17 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part
             l = tl.zeros((BLOCK_M,), dtype=tl.float32)
             acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
             for n0 in range(split_start, unmasked_end, KV_CHUNK):
-                m, l, acc = _chunk(q, m, l, acc, n0, b, kvh, positions, seq_len, q_row_ok, ones, k_cache_ptr,
+                m, l, acc = _chunk(q, m, l, acc, n0, b, kvh, positions, first_position, seq_len, q_row_ok, ones, k_cache_ptr,
                                v_cache_ptr, block_table_ptr, stride_bt, stride_kp, stride_kr, stride_kh, scale_log2e, offs_d,
                                k_scale_ptr, v_scale_ptr, stride_sp, stride_sr, stride_sh,
                                PAGE_SIZE, KV_CHUNK, HEAD_DIM, IS_BF16, UPCAST, False, TMA, EXP2, ROUNDED_SUM, KV_FP8,
-                               PER_TOKEN_SCALE, OPERAND_BARRIER, BLOCK_M >= 64)
+                               PER_TOKEN_SCALE, OPERAND_BARRIER, BLOCK_M >= 64, FFP)
             for n0 in range(unmasked_end, split_end, KV_CHUNK):
-                m, l, acc = _chunk(q, m, l, acc, n0, b, kvh, positions, seq_len, q_row_ok, ones, k_cache_ptr,
+                m, l, acc = _chunk(q, m, l, acc, n0, b, kvh, positions, first_position, seq_len, q_row_ok, ones, k_cache_ptr,
                                v_cache_ptr, block_table_ptr, stride_bt, stride_kp, stride_kr, stride_kh, scale_log2e, offs_d,
                                k_scale_ptr, v_scale_ptr, stride_sp, stride_sr, stride_sh,
                                PAGE_SIZE, KV_CHUNK, HEAD_DIM, IS_BF16, UPCAST, True, TMA, EXP2, ROUNDED_SUM, KV_FP8,
-                               PER_TOKEN_SCALE, OPERAND_BARRIER, BLOCK_M >= 64)
+                               PER_TOKEN_SCALE, OPERAND_BARRIER, BLOCK_M >= 64, FFP)
             sees_split = q_row_ok & (positions >= split_start)
             if SPLIT_PARALLEL:
                 _store_split(part_m_ptr, part_l_ptr, part_a_ptr, m, l, acc, split_start // KV_SPLIT, sees_split,
@@ -417,21 +452,21 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part
         l = tl.zeros((BLOCK_M,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
         for n0 in range(lo, full_end, KV_CHUNK):
-            m, l, acc = _chunk(q, m, l, acc, n0, b, kvh, positions, seq_len, q_row_ok, ones, k_cache_ptr, v_cache_ptr,
+            m, l, acc = _chunk(q, m, l, acc, n0, b, kvh, positions, first_position, seq_len, q_row_ok, ones, k_cache_ptr, v_cache_ptr,
                                block_table_ptr, stride_bt, stride_kp, stride_kr, stride_kh, scale_log2e, offs_d,
                                k_scale_ptr, v_scale_ptr, stride_sp, stride_sr, stride_sh,
                                PAGE_SIZE, KV_CHUNK, HEAD_DIM, IS_BF16, UPCAST, False, TMA, EXP2, ROUNDED_SUM, KV_FP8,
-                               PER_TOKEN_SCALE, OPERAND_BARRIER, False)
+                               PER_TOKEN_SCALE, OPERAND_BARRIER, False, FFP)
             big_m, big_l, big_a, m, l, acc = _end_of_chunk(
                 big_m, big_l, big_a, m, l, acc, n0, hi, q_row_ok, positions, token, head, num_q_heads, max_splits,
                 part_m_ptr, part_l_ptr, part_a_ptr, offs_d, HEAD_DIM, KV_CHUNK, KV_SPLIT, SPLIT_PARALLEL,
                 SPLITS_PER_PROGRAM, EXP2)
         for n0 in range(full_end, hi, KV_CHUNK):
-            m, l, acc = _chunk(q, m, l, acc, n0, b, kvh, positions, seq_len, q_row_ok, ones, k_cache_ptr, v_cache_ptr,
+            m, l, acc = _chunk(q, m, l, acc, n0, b, kvh, positions, first_position, seq_len, q_row_ok, ones, k_cache_ptr, v_cache_ptr,
                                block_table_ptr, stride_bt, stride_kp, stride_kr, stride_kh, scale_log2e, offs_d,
                                k_scale_ptr, v_scale_ptr, stride_sp, stride_sr, stride_sh,
                                PAGE_SIZE, KV_CHUNK, HEAD_DIM, IS_BF16, UPCAST, True, TMA, EXP2, ROUNDED_SUM, KV_FP8,
-                               PER_TOKEN_SCALE, OPERAND_BARRIER, False)
+                               PER_TOKEN_SCALE, OPERAND_BARRIER, False, FFP)
             big_m, big_l, big_a, m, l, acc = _end_of_chunk(
                 big_m, big_l, big_a, m, l, acc, n0, hi, q_row_ok, positions, token, head, num_q_heads, max_splits,
                 part_m_ptr, part_l_ptr, part_a_ptr, offs_d, HEAD_DIM, KV_CHUNK, KV_SPLIT, SPLIT_PARALLEL,
@@ -733,10 +768,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     per_program = min(splits_per_program, max_splits) if split_parallel else 1
     if nested_splits is None:
         # The nested loops are what a wgmma tile (prefill) needs for ptxas not to serialise its wgmmas
-        # (``_attention_kernel``), decode's 16-row tiles keep the flat loop (its K/V loads stream across
-        # split boundaries). Not yet the default for prefill: its bits and speed have not been measured on
-        # a GPU (the sm_90 compile and the interpreter only): ``bash bench/h200.sh attention-ab``.
-        nested_splits = False
+        # (``_attention_kernel``): 1.01-1.44x faster prefill on the H100 (L = 512..16384, GQA 4 and 7, head dim
+        # 64 and 128, batched and chunked prefill), bits identical. Decode's 16-row tiles keep the flat loop
+        # (its K/V loads stream across split boundaries): 1.2x slower nested at 32k keys.
+        # bench/results/h100-2026-12-07-attention-ab.
+        nested_splits = not shape["decode"]
     meta = dict(PAGE_SIZE=page, KV_SPLIT=split, GROUP_PAD=group_pad, HEAD_SPLIT=head_split,
                 SPLITS_PER_PROGRAM=per_program, HEADS_FASTEST=heads_fastest, BLOCK_Q=block_q, HEAD_DIM=head_dim,
                 IS_BF16=is_bf16, UPCAST=INTERPRET and is_bf16, KV_CHUNK=kv_chunk, BLOCK_B=BLOCK_B, TMA=tma,
