@@ -112,17 +112,17 @@ ATTENTION_TYPES = dict(q_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16", 
 
 def attention_rows():
     """Prefill (64-key pages) and decode (16-key pages) of 32 query / 8 KV heads of 128, bf16: the
-    default launch shapes (prefill also with the nested split loop, ``nested_splits``), and decode programs
+    default launch shapes (prefill also with the flat chunk loop, ``nested_splits=False``), and decode programs
     that walk 2 or 4 consecutive splits; then decode over the FP8 KV cache ([fp8], per (token, head) scales)
     at the default decode shape, whose chunk loop shows what the read path's dequantisation costs against
     the bf16 cache's (``loop`` below: the unmasked chunk loop)."""
     for phase, tokens, seqs, page, override, fp8 in [
-            ("prefill", 4096, 1, 64, {}, False), ("prefill", 4096, 1, 64, dict(nested_splits=True), False),
+            ("prefill", 4096, 1, 64, {}, False), ("prefill", 4096, 1, 64, dict(nested_splits=False), False),
             ("decode", 8, 8, 16, {}, False),
             ("decode", 8, 8, 16, dict(splits_per_program=2), False),
             ("decode", 8, 8, 16, dict(splits_per_program=4), False),
-            ("prefill", 4096, 1, 64, dict(tma=True), False),
-            ("prefill", 4096, 1, 64, dict(tma=True, nested_splits=True), False),
+            ("prefill", 4096, 1, 64, dict(tma=False), False),
+            ("prefill", 4096, 1, 64, dict(tma=False, nested_splits=False), False),
             ("decode", 8, 8, 64, dict(tma=True), False),
             ("decode", 8, 8, 64, dict(tma=True, splits_per_program=2), False),
             ("decode", 8, 8, 16, dict(splits_per_program=2), True)]:
@@ -137,14 +137,15 @@ def attention_rows():
                          BLOCK_Q=max(1, shape["rows"] // (4 // shape["head_split"])), HEAD_DIM=128,
                          SPLIT_PARALLEL=shape["decode"], IS_BF16=True, UPCAST=False, KV_CHUNK=64,
                          BLOCK_B=attention.BLOCK_B, TMA=shape["tma"], EXP2=True, ROUNDED_SUM=True, KV_FP8=fp8,
-                         PER_TOKEN_SCALE=fp8, OPERAND_BARRIER=fp8, NESTED_SPLITS=shape.get("nested_splits", False))
+                         PER_TOKEN_SCALE=fp8, OPERAND_BARRIER=fp8, NESTED_SPLITS=shape.get("nested_splits", not shape["decode"]))
         compiled = compile_for_hopper(attention._attention_kernel, types, constants, shape["num_warps"],
                                       shape["num_stages"],
                                       not16=("num_seqs", "num_tiles", "group", "max_splits", "num_q_heads",
                                              "stride_sh"))
         yield (f"attention {phase}{' fp8 KV' if fp8 else ''}: {shape['rows']} rows, "
                f"{shape['splits_per_program']} split(s)/program, w{shape['num_warps']} s{shape['num_stages']}"
-               + (" TMA" if shape["tma"] else "") + (" nested splits" if shape.get("nested_splits") else ""),
+               + (" TMA" if shape["tma"] else "") + ("" if shape.get("nested_splits", not shape["decode"]) == (not shape["decode"]) else
+                  " nested splits" if shape["nested_splits"] else " flat loop"),
                report(compiled))
 
 
