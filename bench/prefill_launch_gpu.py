@@ -1,11 +1,12 @@
 """Prefill attention launch shapes on the GPU (issue #20's prefill target, >= 0.85x SDPA flash): the default
 launch against bit-neutral alternatives that bench/sm90_report.py screened without a GPU.
 
-Why: compiled for sm_90, the default prefill program (64 query rows on 4 warps) holds 255 registers and
-spills 664 bytes, 110 local loads and stores in every unmasked 64-key chunk (``sm90_report.py``); 64 rows on
-8 warps or 32 rows on 4 do not spill in that loop. Which is faster is a measurement.
+Why: compiled for sm_90, the default prefill program (64 query rows on 4 warps, the nested split loop) holds 255
+registers (``sm90_report.py``); 128 rows on 8 warps halve the tiles (the GQA group of 8 gets 16 tokens a tile, not
+8), a third stage deepens the K/V pipeline at the price of one program a multiprocessor. Which is faster is a
+measurement.
 
-For each causal prefill (one sequence of L tokens, 64-key pages, bf16): every variant's output is compared
+For each causal prefill (one sequence of L tokens, 64- or 16-key pages, bf16): every variant's output is compared
 bitwise with the default launch's (launch shapes never change the bits; a difference fails the run), then
 timed by CUDA-graph replay (``triton.testing.do_bench_cudagraph``), beside SDPA flash on contiguous K/V.
 
@@ -28,8 +29,10 @@ from hal.backends.cuda.launch import CUDA_LAUNCH
 from hal.kernels import attention
 
 # (query rows per program, warps, stages); block_q = rows / the padded GQA group
-VARIANTS = [(64, 4, 2), (64, 8, 2), (32, 4, 2), (128, 8, 2)]
-CASES = [(512, 32, 8, 128), (2048, 32, 8, 128), (8192, 32, 8, 128), (4096, 64, 8, 128), (4096, 32, 8, 64)]   # (L, query heads, KV heads, head dim)
+VARIANTS = [(64, 4, 2), (64, 8, 2), (32, 4, 2), (128, 8, 2), (64, 4, 3), (128, 8, 3)]
+# (L, query heads, KV heads, head dim, page): 16-key pages are vLLM's default (K/V by pointer, not descriptor)
+CASES = [(512, 32, 8, 128, 64), (2048, 32, 8, 128, 64), (8192, 32, 8, 128, 64), (4096, 64, 8, 128, 64),
+         (4096, 32, 8, 64, 64), (4096, 28, 4, 128, 16), (2048, 32, 8, 128, 16), (1024, 16, 8, 128, 16)]
 
 
 def main() -> int:
@@ -39,8 +42,8 @@ def main() -> int:
     backend = create_backend("cuda")
     spec = backend.contract.attention
     rows_out, ok = [], True
-    for length, hq, hkv, d in CASES:
-        q, kc, vc, meta = paged_problem([length], [length], hq, hkv, d, 64)
+    for length, hq, hkv, d, page in CASES:
+        q, kc, vc, meta = paged_problem([length], [length], hq, hkv, d, page)
         group_pad = triton.next_power_of_2(hq // hkv)
 
         def run(rows=None, warps=None, stages=None):
@@ -49,7 +52,7 @@ def main() -> int:
                                              block_q=None if rows is None else max(1, rows // group_pad),
                                              num_warps=warps, num_stages=stages)
         base = run()
-        row = dict(length=length, hq=hq, hkv=hkv, d=d, us={}, identical={}, errors={})
+        row = dict(length=length, hq=hq, hkv=hkv, d=d, page=page, us={}, identical={}, errors={})
         for rows, warps, stages in VARIANTS:
             name = f"{rows}r w{warps} s{stages}"
             try:
@@ -72,7 +75,7 @@ def main() -> int:
         except Exception as exc:  # noqa: BLE001 - reported, not fatal: the variants still compare
             row["errors"]["sdpa_flash"] = str(exc).splitlines()[0][:200]
         rows_out.append(row)
-        print(f"L={length} {hq}/{hkv} d{d}: " + ", ".join(f"{n} {t:.0f}us" for n, t in row["us"].items())
+        print(f"L={length} {hq}/{hkv} d{d} p{page}: " + ", ".join(f"{n} {t:.0f}us" for n, t in row["us"].items())
               + ("" if all(row["identical"].values()) else f"  DIFFER {row['identical']}")
               + (f"  ERRORS {row['errors']}" if row["errors"] else ""), flush=True)
     names = [f"{r}r w{w} s{s}" for r, w, s in VARIANTS]
@@ -80,7 +83,7 @@ def main() -> int:
     for r in rows_out:
         sd = r["us"].get("sdpa_flash")
         cells = [f"{sd / r['us'][n]:>12.2f}" if sd and n in r["us"] else f"{'-':>12}" for n in names]
-        print(f"{r['length']:>6} {r['hq']:>3}/{r['hkv']} d{r['d']:<4}      " + " ".join(cells)
+        print(f"{r['length']:>6} {r['hq']:>3}/{r['hkv']} d{r['d']:<4} p{r['page']:<4} " + " ".join(cells)
               + f" {sd if sd else float('nan'):>8.0f}")
     with open(args.json, "w") as f:
         json.dump(dict(device=torch.cuda.get_device_name(), variants=names, rows=rows_out, bitwise_ok=ok), f, indent=1)
