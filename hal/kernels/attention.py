@@ -132,13 +132,13 @@ def _dequantise(x, scale_ptr, scale_off, key_ok, MASKED: tl.constexpr, PER_TOKEN
 
 
 @triton.jit
-def _chunk(q, m, l, acc, n0, b, kvh, positions, first_position, seq_len, q_row_ok, ones, k_cache_ptr, v_cache_ptr, block_table_ptr,
-           stride_bt, stride_kp, stride_kr, stride_kh, scale_log2e, offs_d, k_scale_ptr, v_scale_ptr,
+def _chunk(q, m, l, acc, n0, b, kvh, positions, first_position, seq_len, q_row_ok, ones, k_cache_ptr, v_cache_ptr,
+           block_table_ptr, stride_bt, stride_kp, stride_kr, stride_kh, scale_log2e, offs_d, k_scale_ptr, v_scale_ptr,
            stride_sp, stride_sr, stride_sh,
            PAGE_SIZE: tl.constexpr, KV_CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr, IS_BF16: tl.constexpr,
            UPCAST: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr, EXP2: tl.constexpr,
            ROUNDED_SUM: tl.constexpr, KV_FP8: tl.constexpr, PER_TOKEN_SCALE: tl.constexpr,
-           OPERAND_BARRIER: tl.constexpr, BAD_V_BY_MIN: tl.constexpr, FINITE_FAST_PATH: tl.constexpr):
+           OPERAND_BARRIER: tl.constexpr, BAD_V_BY_MIN: tl.constexpr, FINITE_V_FAST_PATH: tl.constexpr):
     """One KV chunk of the recurrence in the module docstring. MASKED=False only for chunks every
     row of the tile sees entirely; the unmasked formulas are the masked ones with every key visible.
     TMA: the chunk lies in one page and the caches are tensor descriptors of 2-D views whose rows
@@ -157,7 +157,7 @@ def _chunk(q, m, l, acc, n0, b, kvh, positions, first_position, seq_len, q_row_o
         k = k_cache_ptr.load([row, col])
         v = v_cache_ptr.load([row, col])
         key_ok = keys < seq_len
-        if MASKED and not FINITE_FAST_PATH:  # else only if the chunk needs ``_masked_repair``
+        if MASKED and not FINITE_V_FAST_PATH:  # else only if the chunk needs ``_masked_repair``
             v = tl.where(key_ok[:, None], v, 0.0)  # never-written slots may hold NaN: 0 * NaN is NaN
     elif PAGE_SIZE % KV_CHUNK == 0:  # the chunk lies in one page
         page = tl.load(block_table_ptr + b * stride_bt + n0 // PAGE_SIZE).to(tl.int64)
@@ -222,31 +222,27 @@ def _chunk(q, m, l, acc, n0, b, kvh, positions, first_position, seq_len, q_row_o
     if MASKED:
         # [attention].mask: a masked key contributes nothing, whatever its K and V hold (NaN, Inf, a
         # never-written slot). Its score is selected out above (a NaN s stays in its own column: q.k is
-        # per key). Its V row is not: P is 0 there, and 0 * x is 0 for a finite x, so with finite V the
-        # update above is exact for every row that sees the chunk, and leaves (m, l, acc) as they were
-        # (-inf, 0, 0) in a row that does not (such a row sees no later key of the split either). But
-        # 0 * NaN = NaN inside P @ V, and a key masked for one row may be visible to another, so V
-        # cannot be selected per row. A non-finite V entry reaches every row's P @ V (as NaN or
-        # +-Inf; P is finite), so a finite ``acc_new`` proves the chunk's V finite, at one FMA an
-        # element; else (and when TMA brought rows past the sequence: never-written slots) the
-        # update is done again with non-finite V entries selected to 0 (finite values pass
-        # unchanged: no bit changes for finite inputs), and the (row, dim) outputs whose row sees a
-        # non-finite V entry set to NaN after the update. The repair's select code made every masked
-        # chunk cost 5x an unmasked one (sm_90 SASS of the 64-row prefill tile: 2323 instructions
-        # against 417) when it ran each time.
-        if FINITE_FAST_PATH:
+        # per key). Its V row is not: P is 0 there, but 0 * NaN = NaN inside P @ V, and a key masked for
+        # one row may be visible to another, so V cannot be selected per row; ``_masked_repair`` does it.
+        # With finite V and every row of the tile seeing the chunk (n0 <= the first row's position) the
+        # update above is already exact (0 * x adds nothing for a finite x), and the repair's selects
+        # change no bit. A non-finite V entry reaches every row's P @ V (as NaN or +-Inf: P is finite),
+        # so a finite sum of ``acc_new`` proves the chunk's V finite, at one add an element. The
+        # repair's select code made every masked chunk cost 5x an unmasked one (sm_90 SASS of the
+        # 64-row prefill tile: 2323 instructions against 417) when it ran each time.
+        if FINITE_V_FAST_PATH:
             total = tl.sum(tl.sum(acc_new, axis=1), axis=0)  # finite only if every entry is (or a repair in vain)
             repair = ~(tl.abs(total) < float("inf")) | (n0 > first_position)
-            if TMA:
+            if TMA:  # slots past the sequence came with the chunk (never written: they may hold NaN)
                 repair = repair | (n0 + KV_CHUNK > seq_len)
             if repair:
                 m, l, acc = _masked_repair(acc, alpha, p, v, m, l, m_new, l_new, keys, key_ok, positions, q_row_ok,
-                                           visible, row_visits, TMA and FINITE_FAST_PATH, IS_BF16 and not UPCAST, BAD_V_BY_MIN)
+                                           visible, row_visits, TMA, IS_BF16 and not UPCAST, BAD_V_BY_MIN)
             else:
                 m, l, acc = m_new, l_new, acc_new
         else:
             m, l, acc = _masked_repair(acc, alpha, p, v, m, l, m_new, l_new, keys, key_ok, positions, q_row_ok,
-                                       visible, row_visits, TMA and FINITE_FAST_PATH, IS_BF16 and not UPCAST, BAD_V_BY_MIN)
+                                       visible, row_visits, False, IS_BF16 and not UPCAST, BAD_V_BY_MIN)
     else:
         m, l, acc = m_new, l_new, acc_new
     return m, l, acc
@@ -272,7 +268,8 @@ def _masked_repair(acc, alpha, p, v, m, l, m_new, l_new, keys, key_ok, positions
     any dot), or, since a row sees the keys up to its position (and before seq_len), the column's first
     bad key at or before the row's position (a min over the keys per column: BAD_V_BY_MIN). The dot's
     fp32 (rows x head_dim) tile costs a 64-row tile 64 registers a thread, which made ptxas serialise
-    every wgmma of the nested-loop prefill kernel (its C7512)."""
+    every wgmma of the nested-loop prefill kernel (its C7512); a 16-row decode tile's masked chunk is
+    shorter with the dot (sm_90 SASS: 1276 instructions against 1628 with the min)."""
     if ZERO_PAST_END:  # V rows past the sequence, brought by TMA (pointer loads zero them)
         v = tl.where(key_ok[:, None], v, 0.0)  # never-written slots may hold NaN: 0 * NaN is NaN
     v_bad = (v != v) | (tl.abs(v) == float("inf"))
@@ -410,7 +407,7 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part
     # Masked chunks of wgmma tiles take ``_chunk``'s finite-V fast path; 16-row tiles always repair: with
     # both paths their kernel held 32 KB more shared memory (sm_90: 102.5 KB against 70.5 KB a program,
     # 2 programs a multiprocessor instead of 3) and decoded 10-13% slower on the H100.
-    FFP: tl.constexpr = BLOCK_M >= 64
+    FINITE_V_FAST_PATH: tl.constexpr = BLOCK_M >= 64
     big_m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     big_l = tl.zeros((BLOCK_M,), dtype=tl.float32)
     big_a = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
@@ -427,17 +424,17 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part
             l = tl.zeros((BLOCK_M,), dtype=tl.float32)
             acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
             for n0 in range(split_start, unmasked_end, KV_CHUNK):
-                m, l, acc = _chunk(q, m, l, acc, n0, b, kvh, positions, first_position, seq_len, q_row_ok, ones, k_cache_ptr,
-                               v_cache_ptr, block_table_ptr, stride_bt, stride_kp, stride_kr, stride_kh, scale_log2e, offs_d,
-                               k_scale_ptr, v_scale_ptr, stride_sp, stride_sr, stride_sh,
+                m, l, acc = _chunk(q, m, l, acc, n0, b, kvh, positions, first_position, seq_len, q_row_ok, ones,
+                               k_cache_ptr, v_cache_ptr, block_table_ptr, stride_bt, stride_kp, stride_kr, stride_kh,
+                               scale_log2e, offs_d, k_scale_ptr, v_scale_ptr, stride_sp, stride_sr, stride_sh,
                                PAGE_SIZE, KV_CHUNK, HEAD_DIM, IS_BF16, UPCAST, False, TMA, EXP2, ROUNDED_SUM, KV_FP8,
-                               PER_TOKEN_SCALE, OPERAND_BARRIER, BLOCK_M >= 64, FFP)
+                               PER_TOKEN_SCALE, OPERAND_BARRIER, BLOCK_M >= 64, FINITE_V_FAST_PATH)
             for n0 in range(unmasked_end, split_end, KV_CHUNK):
-                m, l, acc = _chunk(q, m, l, acc, n0, b, kvh, positions, first_position, seq_len, q_row_ok, ones, k_cache_ptr,
-                               v_cache_ptr, block_table_ptr, stride_bt, stride_kp, stride_kr, stride_kh, scale_log2e, offs_d,
-                               k_scale_ptr, v_scale_ptr, stride_sp, stride_sr, stride_sh,
+                m, l, acc = _chunk(q, m, l, acc, n0, b, kvh, positions, first_position, seq_len, q_row_ok, ones,
+                               k_cache_ptr, v_cache_ptr, block_table_ptr, stride_bt, stride_kp, stride_kr, stride_kh,
+                               scale_log2e, offs_d, k_scale_ptr, v_scale_ptr, stride_sp, stride_sr, stride_sh,
                                PAGE_SIZE, KV_CHUNK, HEAD_DIM, IS_BF16, UPCAST, True, TMA, EXP2, ROUNDED_SUM, KV_FP8,
-                               PER_TOKEN_SCALE, OPERAND_BARRIER, BLOCK_M >= 64, FFP)
+                               PER_TOKEN_SCALE, OPERAND_BARRIER, BLOCK_M >= 64, FINITE_V_FAST_PATH)
             sees_split = q_row_ok & (positions >= split_start)
             if SPLIT_PARALLEL:
                 _store_split(part_m_ptr, part_l_ptr, part_a_ptr, m, l, acc, split_start // KV_SPLIT, sees_split,
@@ -452,21 +449,21 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part
         l = tl.zeros((BLOCK_M,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
         for n0 in range(lo, full_end, KV_CHUNK):
-            m, l, acc = _chunk(q, m, l, acc, n0, b, kvh, positions, first_position, seq_len, q_row_ok, ones, k_cache_ptr, v_cache_ptr,
-                               block_table_ptr, stride_bt, stride_kp, stride_kr, stride_kh, scale_log2e, offs_d,
-                               k_scale_ptr, v_scale_ptr, stride_sp, stride_sr, stride_sh,
+            m, l, acc = _chunk(q, m, l, acc, n0, b, kvh, positions, first_position, seq_len, q_row_ok, ones,
+                               k_cache_ptr, v_cache_ptr, block_table_ptr, stride_bt, stride_kp, stride_kr, stride_kh,
+                               scale_log2e, offs_d, k_scale_ptr, v_scale_ptr, stride_sp, stride_sr, stride_sh,
                                PAGE_SIZE, KV_CHUNK, HEAD_DIM, IS_BF16, UPCAST, False, TMA, EXP2, ROUNDED_SUM, KV_FP8,
-                               PER_TOKEN_SCALE, OPERAND_BARRIER, False, FFP)
+                               PER_TOKEN_SCALE, OPERAND_BARRIER, False, FINITE_V_FAST_PATH)
             big_m, big_l, big_a, m, l, acc = _end_of_chunk(
                 big_m, big_l, big_a, m, l, acc, n0, hi, q_row_ok, positions, token, head, num_q_heads, max_splits,
                 part_m_ptr, part_l_ptr, part_a_ptr, offs_d, HEAD_DIM, KV_CHUNK, KV_SPLIT, SPLIT_PARALLEL,
                 SPLITS_PER_PROGRAM, EXP2)
         for n0 in range(full_end, hi, KV_CHUNK):
-            m, l, acc = _chunk(q, m, l, acc, n0, b, kvh, positions, first_position, seq_len, q_row_ok, ones, k_cache_ptr, v_cache_ptr,
-                               block_table_ptr, stride_bt, stride_kp, stride_kr, stride_kh, scale_log2e, offs_d,
-                               k_scale_ptr, v_scale_ptr, stride_sp, stride_sr, stride_sh,
+            m, l, acc = _chunk(q, m, l, acc, n0, b, kvh, positions, first_position, seq_len, q_row_ok, ones,
+                               k_cache_ptr, v_cache_ptr, block_table_ptr, stride_bt, stride_kp, stride_kr, stride_kh,
+                               scale_log2e, offs_d, k_scale_ptr, v_scale_ptr, stride_sp, stride_sr, stride_sh,
                                PAGE_SIZE, KV_CHUNK, HEAD_DIM, IS_BF16, UPCAST, True, TMA, EXP2, ROUNDED_SUM, KV_FP8,
-                               PER_TOKEN_SCALE, OPERAND_BARRIER, False, FFP)
+                               PER_TOKEN_SCALE, OPERAND_BARRIER, False, FINITE_V_FAST_PATH)
             big_m, big_l, big_a, m, l, acc = _end_of_chunk(
                 big_m, big_l, big_a, m, l, acc, n0, hi, q_row_ok, positions, token, head, num_q_heads, max_splits,
                 part_m_ptr, part_l_ptr, part_a_ptr, offs_d, HEAD_DIM, KV_CHUNK, KV_SPLIT, SPLIT_PARALLEL,
