@@ -14,6 +14,7 @@
 # and pass carry=[".whl", ".old_kernels"] to the device tool.
 # Results go to $OUT (JSON + logs); commit them under bench/results/ with the command used.
 #   KIT_EXAMPLES   hypothesis examples per kit test for kit-quick and negative (default 8)
+#   KIT_OPS        kit-quick: only these ops, comma-separated (e.g. attention; default all)
 #   KIT_SHARDS, KIT_SLICE_TIMEOUT   kit-full: slices run side by side (16, one per core) and each one's limit (480 s)
 #   KIT_CONTRACT, KIT_DEPTH   kit-full: the contract (default: the backend's first) and the depth (default --full;
 #                  e.g. "--quick --max-examples 4"); the merged report is conformance_cuda_<contract>.json
@@ -64,7 +65,7 @@ for step in $steps; do
            tail -n 5 "$out/equal_v0.log" ;;
     tile) python3 "$repo/bench/tile_freedom.py" --json "$out/tile_freedom.json" > "$out/tile_freedom.log" 2>&1 || status=1
           tail -n 20 "$out/tile_freedom.log" ;;
-    kit-quick) python3 -m hal.cli conformance --backend cuda --quick --max-examples "${KIT_EXAMPLES:-8}" \
+    kit-quick) python3 -m hal.cli conformance --backend cuda --quick --max-examples "${KIT_EXAMPLES:-8}" ${KIT_OPS:+--op "$KIT_OPS"} \
                  --json "$out/conformance_cuda_quick.json" > "$out/conformance_cuda_quick.log" 2>&1 || status=1
                grep -E '^\||CONFORM|passed|failed' "$out/conformance_cuda_quick.log" | tail -n 30 ;;
     kit-full) # full depth in KIT_SHARDS slices run side by side (the kit's time is mostly host-side: compiles
