@@ -30,6 +30,7 @@
 #                  vLLM's fused MoE is timed beside ours when the bundle (built with KEEP_MOE=1) is unpacked
 #   FP8SM90_ARGS   fp8_sm90_gpu.py's arguments for `fp8sm90` (default: bits and speed)
 #   FP8MOE_ARGS    fp8_moe_gpu.py's arguments for `fp8moe` (default "--model"); FP8MOE_KIT=0 skips its kit cells
+#   PREFILL_LAUNCH_ARGS prefill_launch_gpu.py's arguments for `prefill-launch` (e.g. "--budget-s 120")
 #   DECODE_LAUNCH_ARGS  decode_launch_gpu.py's arguments for `decode-launch` (e.g. --variants default,spp2)
 #   DECODE_TUNE_ARGS    decode_tune_gpu.py's arguments for `decode-tune` (e.g. "--heads 32/8/128 --budget-s 300");
 #                  with the vLLM bundle unpacked, vLLM's FlashAttention-3 is timed beside SDPA
@@ -140,7 +141,7 @@ for step in $steps; do
                      --json "$out/attention_ab.json") > "$out/attention_ab.log" 2>&1 || status=1
                   tail -n 25 "$out/attention_ab.log" ;;
     prefill-launch) # prefill attention launch shapes (bench/prefill_launch_gpu.py): bits against the default, speed vs SDPA flash
-                    (cd "$repo/bench" && python3 prefill_launch_gpu.py --json "$out/prefill_launch.json") \
+                    (cd "$repo/bench" && python3 prefill_launch_gpu.py ${PREFILL_LAUNCH_ARGS:-} --json "$out/prefill_launch.json") \
                       > "$out/prefill_launch.log" 2>&1 || status=1
                     tail -n 12 "$out/prefill_launch.log" ;;
     fp8sm90) # the Gluon block-FP8 GEMM (hal/kernels/fp8_gemm_sm90.py): bits against the Triton kernel, speed (FP8SM90_ARGS)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -38,11 +39,22 @@ CASES = [(512, 32, 8, 128, 64), (2048, 32, 8, 128, 64), (8192, 32, 8, 128, 64), 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", required=True)
+    ap.add_argument("--budget-s", type=float, default=1e9, help="start no new case after this many seconds")
     args = ap.parse_args()
+    began = time.time()
+    names = [f"{r}r w{w} s{s}" for r, w, s in VARIANTS]
+
+    def write(rows, ok, complete):   # after every case: a run cut short keeps what it finished
+        with open(args.json, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), variants=names, rows=rows, bitwise_ok=ok,
+                           complete=complete), f, indent=1)
     backend = create_backend("cuda")
     spec = backend.contract.attention
     rows_out, ok = [], True
     for length, hq, hkv, d, page in CASES:
+        if time.time() - began > args.budget_s:
+            print(f"budget of {args.budget_s:.0f} s spent: L={length} {hq}/{hkv} d{d} p{page} and later not run")
+            break
         q, kc, vc, meta = paged_problem([length], [length], hq, hkv, d, page)
         group_pad = triton.next_power_of_2(hq // hkv)
 
@@ -78,15 +90,14 @@ def main() -> int:
         print(f"L={length} {hq}/{hkv} d{d} p{page}: " + ", ".join(f"{n} {t:.0f}us" for n, t in row["us"].items())
               + ("" if all(row["identical"].values()) else f"  DIFFER {row['identical']}")
               + (f"  ERRORS {row['errors']}" if row["errors"] else ""), flush=True)
-    names = [f"{r}r w{w} s{s}" for r, w, s in VARIANTS]
+        write(rows_out, ok, complete=False)
     print(f"\n{'case':>22} " + " ".join(f"{n:>12}" for n in names) + f" {'sdpa':>8}   (SDPA flash time / variant)")
     for r in rows_out:
         sd = r["us"].get("sdpa_flash")
         cells = [f"{sd / r['us'][n]:>12.2f}" if sd and n in r["us"] else f"{'-':>12}" for n in names]
         print(f"{r['length']:>6} {r['hq']:>3}/{r['hkv']} d{r['d']:<4} p{r['page']:<4} " + " ".join(cells)
               + f" {sd if sd else float('nan'):>8.0f}")
-    with open(args.json, "w") as f:
-        json.dump(dict(device=torch.cuda.get_device_name(), variants=names, rows=rows_out, bitwise_ok=ok), f, indent=1)
+    write(rows_out, ok, complete=len(rows_out) == len(CASES))
     return 0 if ok else 1
 
 
