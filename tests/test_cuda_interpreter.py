@@ -256,9 +256,9 @@ def test_masked_nan_keys_contribute_nothing_on_every_launch_path(cuda):
     clean bits on the in-kernel split walk and on parallel splits + merge, unmasked (below-diagonal)
     chunks included; queries from 190 on are non-finite in exactly dims 0..11 and keep the clean bits
     in the others (an output element is poisoned by the V entries of its own column only). Every launch
-    gives the clean bits on the clean caches: 64-row tiles (block_q 32 of a group of 2) take the masked
-    chunk's finite-V fast path there (``_chunk``), 16-row tiles always the repair; planted, the 64-row
-    tile's chunk 128..191 falls back to the repair (its V holds the NaN)."""
+    gives the clean bits on the clean caches: 64-row tiles (block_q 32 of a group of 2; nested and flat
+    loop) take the masked chunk's finite-V fast path there (``_chunk``), 16-row tiles always the repair;
+    planted, the 64-row tile's chunk 128..191 falls back to the repair (its V holds the NaN)."""
     from hal.backends.cuda.launch import CUDA_LAUNCH
     from hal.conformance.checks import random_tensor
     from hal.kernels import attention
@@ -273,7 +273,8 @@ def test_masked_nan_keys_contribute_nothing_on_every_launch_path(cuda):
     meta = build_metadata([q_len], [seq_len], [pages + [5]])       # page 5: in the table, never written
     launches = [dict(split_parallel=False, block_q=8), dict(split_parallel=True, block_q=8),
                 dict(split_parallel=True, block_q=4, splits_per_program=2),
-                dict(split_parallel=False, block_q=32, nested_splits=True), dict(split_parallel=False, block_q=32)]
+                dict(split_parallel=False, block_q=32, nested_splits=True),
+                dict(split_parallel=False, block_q=32, nested_splits=False)]
 
     def run(k, v, launch):
         return attention.paged_attention(q, k, v, meta.query_start_loc, meta.seq_lens, meta.block_table,
