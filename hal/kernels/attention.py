@@ -27,15 +27,18 @@ choices (every row's recurrence is its own, so its bits are the same either way)
   * the query-tile size, how many programs share one KV head's query heads, warps and pipeline
     depth, and the order in which programs are numbered (``HEADS_FASTEST``: the programs reading
     the same pages run side by side; for prefill, the longest tiles of every head start first);
-  * whether a program walks all splits (``SPLIT_PARALLEL`` off: prefill; one flat loop over the
-    chunks that merges the split state into (M, L, A) after each split's last chunk, so the K/V
-    loads stream across split boundaries; or, ``NESTED_SPLITS``, a loop over the splits with each
-    split's chunks in inner loops, which keeps a wgmma tile's MMAs pipelined) or each split runs in
-    its own program and
+  * the loop structure: ``NESTED_SPLITS`` (prefill), a loop over the splits with each split's chunks in
+    inner loops, which keeps a wgmma tile's MMAs pipelined; or (decode) one flat loop over the chunks
+    that hands each split's state on after its last chunk, so the K/V loads stream across split
+    boundaries;
+  * whether a program walks all splits (``SPLIT_PARALLEL`` off: prefill; the state merged into
+    (M, L, A) after each split) or each split runs in its own program and
     ``_merge_kernel`` merges them (decode: fills and balances the GPU at any batch), and how many
     consecutive splits one such program walks (``SPLITS_PER_PROGRAM``, each stored as its own
     partial: fewer, longer programs pay the start-up - finding the sequence, the first loads - less
     often);
+  * whether a masked chunk of a wgmma tile first tries the update on V as loaded (``_chunk``: exact when
+    V is finite and every row sees the chunk, else the guarded update runs);
   * chunks that every row of the tile sees entirely (below the causal diagonal) skip the mask:
     there the masked formulas reduce exactly to the unmasked ones (every key visible, every row
     visits), so only the chunks that cross a row's position pay for masking.
