@@ -100,8 +100,8 @@ def main() -> int:
         checked = sum(len(r["identical"]) for r in rows)
         same = sum(sum(r["identical"].values()) for r in rows)
         with open(args.json, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), base=os.path.basename(os.path.normpath(args.base)), rows=rows, bitwise_ok=ok,
-                           identical=same, checked=checked, complete=complete), f, indent=1)
+            json.dump(dict(device=torch.cuda.get_device_name(), base=os.path.basename(os.path.normpath(args.base)),
+                           rows=rows, bitwise_ok=ok, identical=same, checked=checked, complete=complete), f, indent=1)
         return same, checked
     base = old_kernels.load(args.base)
     spec = create_backend("cuda").contract.attention

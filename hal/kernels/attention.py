@@ -238,14 +238,14 @@ def _chunk(q, m, l, acc, n0, b, kvh, positions, first_position, seq_len, q_row_o
             repair = ~(tl.abs(total) < float("inf")) | (n0 > first_position)
             if TMA:  # slots past the sequence came with the chunk (never written: they may hold NaN)
                 repair = repair | (n0 + KV_CHUNK > seq_len)
-            if repair:
-                m, l, acc = _masked_repair(acc, alpha, p, v, m, l, m_new, l_new, keys, key_ok, positions, q_row_ok,
-                                           visible, row_visits, TMA, IS_BF16 and not UPCAST, BAD_V_BY_MIN)
-            else:
-                m, l, acc = m_new, l_new, acc_new
         else:
+            repair: tl.constexpr = True
+        if repair:
             m, l, acc = _masked_repair(acc, alpha, p, v, m, l, m_new, l_new, keys, key_ok, positions, q_row_ok,
-                                       visible, row_visits, False, IS_BF16 and not UPCAST, BAD_V_BY_MIN)
+                                       visible, row_visits, TMA and FINITE_V_FAST_PATH, IS_BF16 and not UPCAST,
+                                       BAD_V_BY_MIN)
+        else:
+            m, l, acc = m_new, l_new, acc_new
     else:
         m, l, acc = m_new, l_new, acc_new
     return m, l, acc
