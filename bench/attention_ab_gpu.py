@@ -11,9 +11,10 @@ NaN and Inf into V of keys that some rows see and others do not, and into never-
 sequence ([attention].mask); so does a one-sequence prefill whose last chunk is part-filled and read by tensor
 descriptor (the never-written slots come with it). A difference fails the run.
 
-``alt``: the current kernel with the loop structure its default does not take for the call (``nested_splits``:
-the flat chunk loop for prefill, the nested split loop for decode), bits and time: what the default's choice is
-worth, per phase.
+``alt``: the current kernel with a launch choice its default does not take for the call, bits and time: what the
+default's choice is worth. Prefill of a GQA group that is not a power of two: the padded rows (``packed_heads``
+off); otherwise the other loop structure (``nested_splits``: the flat chunk loop for prefill, the nested split loop
+for decode).
 
 Time: CUDA-graph replay (``triton.testing.do_bench_cudagraph``, median), new, old and alt twice each in turn
 (the table shows the better of the two; both are in the JSON), SDPA flash on contiguous K/V for one-sequence
@@ -46,18 +47,22 @@ from hal.kernels.tuning import _bits
 
 # (name, seq_lens, q_lens, query heads, KV heads, head dim, page, launch variants to bit-check)
 PREFILL_VARIANTS = [dict(block_q=8), dict(block_q=32, num_warps=8)]
+# GQA 5 or 7: the old kernel pads the group to 8 heads, so its tiles need a power-of-two block_q
+ODD_GROUP_VARIANTS = [dict(block_q=8), dict(block_q=16, num_warps=8)]
 DECODE_VARIANTS = [dict(split_parallel=True), dict(split_parallel=False), dict(split_parallel=True,
                                                                               splits_per_program=2)]
 # Most varied bit checks first (planted NaN / Inf, chunked prefill, decode launch variants, 32k keys), so that a
 # --budget-s cut keeps them
 CASES = [
     ("prefill, planted", [3000], [3000], 32, 8, 128, 64, PREFILL_VARIANTS),   # TMA, the last chunk part-filled
-    ("chunked prefill", [3000, 700, 40], [700, 700, 1], 32, 8, 128, 16, PREFILL_VARIANTS),
+    ("chunked prefill", [3000, 700, 40], [700, 700, 1], 40, 8, 128, 16, ODD_GROUP_VARIANTS),
     ("decode", [2048] * 16, [1] * 16, 40, 8, 128, 32, DECODE_VARIANTS),
     ("decode", [32768], [1], 32, 8, 128, 64, []),
     ("prefill", [2048], [2048], 32, 8, 128, 64, PREFILL_VARIANTS),
     ("prefill", [512], [512], 32, 8, 128, 64, PREFILL_VARIANTS),
     ("prefill", [4096], [4096], 28, 4, 128, 16, []),
+    ("prefill", [4096], [4096], 40, 8, 128, 16, ODD_GROUP_VARIANTS),
+    ("prefill", [2048], [2048], 24, 8, 128, 64, []),
     ("decode", [512] * 4, [1] * 4, 32, 8, 128, 64, DECODE_VARIANTS),
     ("prefill", [8192], [8192], 32, 8, 128, 64, []),
     ("prefill", [4096], [4096], 64, 8, 128, 64, []),
@@ -124,15 +129,19 @@ def main() -> int:
 
         def old(**launch):
             return base.attention.paged_attention(*inputs, policy=CUDA_LAUNCH, **launch)
-        # The loop structure the default does not take for this call (nested split loop for prefill, flat for decode)
-        default_nested = not attention._launch_shape(q.shape[0], len(seq_lens), next_power_of_2(hq // hkv))["decode"]
-        alt = dict(nested_splits=not default_nested)
+        # A choice the default does not take for this call: padded rows for a packed GQA group, else the other
+        # loop structure (nested split loop for prefill, flat for decode)
+        prefill = not attention._launch_shape(q.shape[0], len(seq_lens), next_power_of_2(hq // hkv))["decode"]
+        packed = prefill and hq // hkv != next_power_of_2(hq // hkv)
+        alt = dict(packed_heads=False) if packed else dict(nested_splits=not prefill)
+        alt_name = "padded" if packed else "flat" if prefill else "nested"
         row["alt_launch"] = alt
         for launch in [dict(), *variants, alt]:
             name = "alt" if launch is alt else ",".join(f"{k}={v}" for k, v in launch.items()) or "default"
             try:
-                out = new(**launch)   # the old kernel has one loop structure: it takes the rest of the launch
-                same = torch.equal(_bits(out), _bits(old(**{k: v for k, v in launch.items() if k != "nested_splits"})))
+                out = new(**launch)   # the old kernel has one loop structure and pads: it takes the rest of the launch
+                same = torch.equal(_bits(out), _bits(old(**{k: v for k, v in launch.items()
+                                                            if k not in ("nested_splits", "packed_heads")})))
             except Exception as exc:  # noqa: BLE001 - reported, and the run fails
                 row["errors"][name] = str(exc).splitlines()[0][:200]
                 same = False
@@ -169,9 +178,9 @@ def main() -> int:
         torch.cuda.empty_cache()
         print(f"{phase:>15} B={len(seq_lens):<3} L={seq_lens[0]:<6} q={q_lens[0]:<5} {hq}/{hkv} d{d} p{page}: "
               f"new {row['new_us']:.1f} us, old {row['old_us']:.1f} us, old/new {row['old_over_new']:.2f}, "
-              f"{'flat' if default_nested else 'nested'} loop {row['alt_us']:.1f} us"
+              f"{alt_name} {row['alt_us']:.1f} us"
               + (f", SDPA flash / new {row['sdpa_over_new']:.2f}, / old {row['sdpa_over_old']:.2f}, "
-                 f"/ {'flat' if default_nested else 'nested'} {row['sdpa_over_alt']:.2f}"
+                 f"/ {alt_name} {row['sdpa_over_alt']:.2f}"
                  if "sdpa_over_new" in row else "")
               + ("" if all(row["identical"].values()) else f"  DIFFER {row['identical']}")
               + (f"  nan outputs {row['nan_outputs']}" if "nan_outputs" in row else "")

@@ -29,11 +29,14 @@ from hal.api import create_backend
 from hal.backends.cuda.launch import CUDA_LAUNCH
 from hal.kernels import attention
 
-# (query rows per program, warps, stages); block_q = rows / the padded GQA group
+# (query rows per program, warps, stages); block_q = rows // the GQA group as laid out (a group that is not a
+# power of two packed, as prefill's default packs it: 12 tokens x 5 heads in 64 rows)
 VARIANTS = [(64, 4, 2), (64, 8, 2), (32, 4, 2), (128, 8, 2), (64, 4, 3), (128, 8, 3)]
-# (L, query heads, KV heads, head dim, page): 16-key pages are vLLM's default (K/V by pointer, not descriptor)
+# (L, query heads, KV heads, head dim, page): 16-key pages are vLLM's default (K/V by pointer, not descriptor);
+# GQA groups of 4, 8, 7, 2, 5 and 3
 CASES = [(512, 32, 8, 128, 64), (2048, 32, 8, 128, 64), (8192, 32, 8, 128, 64), (4096, 64, 8, 128, 64),
-         (4096, 32, 8, 64, 64), (4096, 28, 4, 128, 16), (2048, 32, 8, 128, 16), (1024, 16, 8, 128, 16)]
+         (4096, 32, 8, 64, 64), (4096, 28, 4, 128, 16), (2048, 32, 8, 128, 16), (1024, 16, 8, 128, 16),
+         (4096, 40, 8, 128, 16), (2048, 24, 8, 128, 64)]
 
 
 def main() -> int:
@@ -56,12 +59,12 @@ def main() -> int:
             print(f"budget of {args.budget_s:.0f} s spent: L={length} {hq}/{hkv} d{d} p{page} and later not run")
             break
         q, kc, vc, meta = paged_problem([length], [length], hq, hkv, d, page)
-        group_pad = triton.next_power_of_2(hq // hkv)
+        laid_out = hq // hkv   # prefill packs every group (a power of two needs no padding)
 
         def run(rows=None, warps=None, stages=None):
             return attention.paged_attention(q, kc, vc, meta.query_start_loc, meta.seq_lens, meta.block_table,
                                              d ** -0.5, spec, policy=CUDA_LAUNCH,
-                                             block_q=None if rows is None else max(1, rows // group_pad),
+                                             block_q=None if rows is None else max(1, rows // laid_out),
                                              num_warps=warps, num_stages=stages)
         base = run()
         row = dict(length=length, hq=hq, hkv=hkv, d=d, page=page, us={}, identical={}, errors={})

@@ -125,16 +125,19 @@ def attention_rows():
             ("prefill", 4096, 1, 64, dict(tma=False, nested_splits=False), False),
             ("decode", 8, 8, 64, dict(tma=True), False),
             ("decode", 8, 8, 64, dict(tma=True, splits_per_program=2), False),
-            ("decode", 8, 8, 16, dict(splits_per_program=2), True)]:
+            ("decode", 8, 8, 16, dict(splits_per_program=2), True),
+            ("prefill", 4096, 1, 64, dict(group=5), False)]:
         shape = dict(attention._launch_shape(tokens, seqs, group_pad=4), **override)
+        group = shape.get("group", 4)   # 5: a GQA group of 5 packed as paged_attention packs it (12 tokens x 5)
         types = dict(ATTENTION_TYPES)
         if shape["tma"]:  # K/V by descriptors of one head's 64-key chunk of a page
             types.update(k_cache_ptr="tensordesc<bf16[64, 128]>", v_cache_ptr="tensordesc<bf16[64, 128]>")
         if fp8:
             types.update(k_cache_ptr="*fp8e4nv", v_cache_ptr="*fp8e4nv")
-        constants = dict(PAGE_SIZE=page, KV_SPLIT=512, GROUP_PAD=4, HEAD_SPLIT=shape["head_split"],
+        constants = dict(PAGE_SIZE=page, KV_SPLIT=512, GROUP_PAD=group, ROWS=shape["rows"],
+                         HEAD_SPLIT=shape["head_split"],
                          SPLITS_PER_PROGRAM=shape["splits_per_program"], HEADS_FASTEST=shape["heads_fastest"],
-                         BLOCK_Q=max(1, shape["rows"] // (4 // shape["head_split"])), HEAD_DIM=128,
+                         BLOCK_Q=max(1, shape["rows"] // (group // shape["head_split"])), HEAD_DIM=128,
                          SPLIT_PARALLEL=shape["decode"], IS_BF16=True, UPCAST=False, KV_CHUNK=64,
                          BLOCK_B=attention.BLOCK_B, TMA=shape["tma"], EXP2=True, ROUNDED_SUM=True, KV_FP8=fp8,
                          PER_TOKEN_SCALE=fp8, OPERAND_BARRIER=fp8, NESTED_SPLITS=shape.get("nested_splits", not shape["decode"]))
@@ -145,7 +148,8 @@ def attention_rows():
         yield (f"attention {phase}{' fp8 KV' if fp8 else ''}: {shape['rows']} rows, "
                f"{shape['splits_per_program']} split(s)/program, w{shape['num_warps']} s{shape['num_stages']}"
                + (" TMA" if shape["tma"] else "") + ("" if shape.get("nested_splits", not shape["decode"]) == (not shape["decode"]) else
-                  " nested splits" if shape["nested_splits"] else " flat loop"),
+                  " nested splits" if shape["nested_splits"] else " flat loop")
+               + (f" GQA {group} packed" if group != 4 else ""),
                report(compiled))
 
 

@@ -690,3 +690,63 @@ def test_nested_split_loop_gives_the_flat_loops_bits(cuda):
         assert torch.equal(nested.view(torch.int16), flat.view(torch.int16)), launch
     assert torch.isnan(flat.float()).any() and torch.isfinite(flat.float()).any()   # the planted values reached rows
     assert not torch.equal(run(64, nested_splits=True, **launches[1]).view(torch.int16), flat.view(torch.int16))
+
+
+@pytest.mark.parametrize("group", [3, 5])
+def test_packed_gqa_rows_give_the_padded_rows_bits(cuda, group, monkeypatch):
+    """A GQA group that is not a power of two, packed unpadded into the tile's rows (prefill's default: 12 tokens
+    x 5 heads fill 60 of 64 rows, against 8 x 8 padded with 40 useful) against the padded layout: the same bits
+    for prefill, chunked prefill and decode rows in one batch, contexts crossing chunk (32) and split (96)
+    boundaries, tiles that straddle a chunk boundary, on the in-kernel walk and on parallel splits, NaN / Inf
+    planted in V of keys some rows of a tile see and others do not. (The idle rows of a packed tile, 64 - 60, are
+    masked: unmasked they would redo the next tile's first token, the same bits, so no output shows it.)
+    Negative control: another split size."""
+    from hal.backends.cuda.launch import CUDA_LAUNCH
+    from hal.conformance.checks import random_tensor
+    from hal.kernels import attention
+    from hal.kernels.common import next_power_of_2
+    from hal.kvcache import build_metadata
+
+    g = torch.Generator().manual_seed(group)
+    page, hkv, d = 16, 2, 32
+    hq = hkv * group
+    seq_lens, q_lens = [200, 97, 20], [30, 1, 20]
+    pages = [-(-n // page) for n in seq_lens]
+    order = torch.randperm(sum(pages), generator=g).tolist()
+    tables, at = [], 0
+    for n in pages:
+        tables.append(order[at: at + n])
+        at += n
+    k_cache = random_tensor((sum(pages), page, hkv, d), torch.bfloat16, g)
+    v_cache = random_tensor((sum(pages), page, hkv, d), torch.bfloat16, g)
+    for pos, value in ((180, float("nan")), (190, float("inf"))):          # seen by the later rows of seq 0
+        v_cache[tables[0][pos // page], pos % page, 1, 3:9] = value
+    q = random_tensor((sum(q_lens), hq, d), torch.bfloat16, g)
+    meta = build_metadata(q_lens, seq_lens, tables)
+
+    def run(kv_split=96, **launch):
+        return attention.paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_table,
+                                         d ** -0.5, _attention_spec(32, kv_split), policy=CUDA_LAUNCH,
+                                         **launch).view(torch.int16)
+
+    padded = run(packed_heads=False, split_parallel=False)
+    assert torch.equal(run(packed_heads=False, split_parallel=True, block_q=2), padded)
+    for launch in (dict(block_q=16 // group), dict(block_q=64 // group), dict(block_q=64 // group, nested_splits=False),
+                   dict(block_q=16 // group, split_parallel=True, splits_per_program=2)):
+        launch.setdefault("split_parallel", False)
+        assert torch.equal(run(packed_heads=True, **launch), padded), launch
+    assert torch.isnan(padded.view(torch.bfloat16).float()).any()   # the planted values reached rows
+    assert not torch.equal(run(64, packed_heads=True, block_q=64 // group, split_parallel=False), padded)
+
+    # Prefill launches pack by default (the kernel sees the unpadded group), decode-like ones pad.
+    seen = []
+    real_launch = attention.launch
+    monkeypatch.setattr(attention, "launch", lambda kernel, grid, *a, **kw: (
+        seen.append(kw.get("GROUP_PAD")), real_launch(kernel, grid, *a, **kw))[1])
+    assert torch.equal(run(split_parallel=False), padded)
+    decode_meta = build_metadata([1, 1], [97, 40], tables[1:])
+    attention.paged_attention(q[:2], k_cache, v_cache, decode_meta.query_start_loc, decode_meta.seq_lens,
+                              decode_meta.block_table, d ** -0.5, _attention_spec(32, 96), policy=CUDA_LAUNCH)
+    assert seen[0] == group and seen[1] == next_power_of_2(group)
+    with pytest.raises(ValueError, match="packed_heads"):
+        run(packed_heads=True, head_split=2)

@@ -25,7 +25,9 @@ A program owns BLOCK_Q query tokens of one sequence times the query heads that s
 (rows = token x head), or a slice of those heads (``HEAD_SPLIT`` programs per KV head). Free launch
 choices (every row's recurrence is its own, so its bits are the same either way):
   * the query-tile size, how many programs share one KV head's query heads, warps and pipeline
-    depth, and the order in which programs are numbered (``HEADS_FASTEST``: the programs reading
+    depth, how a GQA group that is not a power of two lays out its rows (``GROUP_PAD``: padded to a
+    power of two, or packed, e.g. 12 tokens x 5 heads = 60 of a 64-row tile instead of 8 x 8 = 40 of
+    its rows useful), and the order in which programs are numbered (``HEADS_FASTEST``: the programs reading
     the same pages run side by side; for prefill, the longest tiles of every head start first);
   * the loop structure: ``NESTED_SPLITS`` (prefill), a loop over the splits with each split's chunks in
     inner loops, which keeps a wgmma tile's MMAs pipelined; or (decode) one flat loop over the chunks
@@ -357,7 +359,7 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part
                       stride_qt, stride_qh, stride_bt, stride_kp, stride_kr, stride_kh, stride_ot, stride_oh,
                       num_q_heads, max_splits, scale_log2e, group, k_scale_ptr, v_scale_ptr, stride_sp, stride_sr,
                       stride_sh,
-                      PAGE_SIZE: tl.constexpr, KV_SPLIT: tl.constexpr, GROUP_PAD: tl.constexpr,
+                      PAGE_SIZE: tl.constexpr, KV_SPLIT: tl.constexpr, GROUP_PAD: tl.constexpr, ROWS: tl.constexpr,
                       HEAD_SPLIT: tl.constexpr, HEADS_FASTEST: tl.constexpr, SPLITS_PER_PROGRAM: tl.constexpr,
                       BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT_PARALLEL: tl.constexpr,
                       IS_BF16: tl.constexpr, UPCAST: tl.constexpr, KV_CHUNK: tl.constexpr, BLOCK_B: tl.constexpr,
@@ -365,7 +367,9 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part
                       PER_TOKEN_SCALE: tl.constexpr, OPERAND_BARRIER: tl.constexpr, NESTED_SPLITS: tl.constexpr):
     """k_cache_ptr, v_cache_ptr: pointers, or with TMA tensor descriptors (``_chunk``); with KV_FP8 the
     caches are fp8 and k_scale_ptr / v_scale_ptr their (pages, P, Hkv) scales (strides stride_s*) or,
-    without PER_TOKEN_SCALE, one fixed scale each."""
+    without PER_TOKEN_SCALE, one fixed scale each. GROUP_PAD: the GQA group as a program's rows lay it out,
+    the group padded to a power of two or (packed) the group itself; ROWS: the tile's rows, a power of two
+    >= BLOCK_Q x GROUP_PAD // HEAD_SPLIT (more only when packed: the rows past the tokens' are idle)."""
     tile_index, head_program, split = _coordinates(HEADS_FASTEST)
     # Highest tile first: later tiles of a sequence see more keys, so the long ones start early.
     tile = num_tiles - 1 - tile_index
@@ -377,12 +381,14 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part
     q_len = tl.where(tile_ok, tl.load(query_start_ptr + b + 1) - q_begin, 0)
     seq_len = tl.load(seq_lens_ptr + b)
 
-    HEADS: tl.constexpr = GROUP_PAD // HEAD_SPLIT  # query heads per program (a slice of the padded group)
-    BLOCK_M: tl.constexpr = BLOCK_Q * HEADS
+    HEADS: tl.constexpr = GROUP_PAD // HEAD_SPLIT  # query heads per program (a slice of the group as laid out)
+    BLOCK_M: tl.constexpr = ROWS
     rows = tl.arange(0, BLOCK_M)
     tok = q_first + rows // HEADS                # query index inside the sequence
     head_in_group = head_program % HEAD_SPLIT * HEADS + rows % HEADS
     q_row_ok = (tok < q_len) & (head_in_group < group)
+    if BLOCK_Q * HEADS < BLOCK_M:                # packed rows: the last ones would reach the next tile's tokens
+        q_row_ok = q_row_ok & (rows < BLOCK_Q * HEADS)
     positions = seq_len - q_len + tok            # absolute position of each row's query
     token = q_begin + tok
     head = kvh * group + head_in_group
@@ -692,15 +698,16 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     num_warps: int | None = None, num_stages: int | None = None, head_split: int | None = None,
                     heads_fastest: bool | None = None, splits_per_program: int | None = None,
                     tma: bool | None = None, maxnreg: int | None = None, nested_splits: bool | None = None,
-                    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                    packed_heads: bool | None = None, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q (T, Hq, D); caches (pages, P, Hkv, D); metadata as in hal.backend.AttentionMetadata; the
     reduction structure from ``spec`` ([attention]); vendor launch choices from ``policy``.
     ``split_parallel``, ``block_q``, ``num_warps``, ``num_stages``, ``head_split`` (programs per KV
     head, each taking a slice of its query heads; a power of two up to the padded group),
     ``heads_fastest`` (program numbering), ``splits_per_program`` (with parallel splits), ``tma``
     (K/V by tensor descriptor where ``_tma_ok``), ``maxnreg`` (the register cap per thread, 0 for
-    none: more programs per multiprocessor) and ``nested_splits`` (the kernel's loop structure: a loop over
-    splits with the chunk loops inside, or one flat chunk loop) override the launch shape (tests and tuning);
+    none: more programs per multiprocessor), ``nested_splits`` (the kernel's loop structure: a loop over
+    splits with the chunk loops inside, or one flat chunk loop) and ``packed_heads`` (a GQA group that is not a
+    power of two laid out unpadded in the tile's rows; one program per KV head) override the launch shape (tests and tuning);
     they never change the bits. ``k_scale`` / ``v_scale``: fp8 caches' scales ([fp8]: (pages, P, Hkv) fp32 per
     token-head, or 0-dim fixed), required exactly when the caches are fp8 (``hal.fp8.Fp8KVCache``)."""
     tokens, q_heads, head_dim = q.shape
@@ -733,8 +740,18 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     head_split = head_split or decode.get("head_split") or shape["head_split"]
     if head_split > group_pad or group_pad % head_split:
         raise ValueError(f"head_split {head_split} must be a power of two dividing the padded GQA group {group_pad}")
+    if packed_heads is None:
+        # Prefill tiles are MMA bound, and padding wastes their rows: a group of 5 fills 40 of 64 rows padded
+        # to 8 heads, 60 packed (12 tokens). Decode-like tiles hold one sequence's few tokens: the same either way.
+        packed_heads = not shape["decode"] and head_split == 1 and group != group_pad
+    if packed_heads:
+        if head_split != 1:
+            raise ValueError("packed_heads lays out a KV head's whole GQA group in one program: head_split must be 1")
+        group_pad = group  # the group as the rows lay it out
+    heads = group_pad // head_split  # query heads per program
     block_q = (block_q or policy.attention_block_q(q, k_cache, query_start_loc, spec)
-               or max(1, shape["rows"] // (group_pad // head_split)))  # tokens per program
+               or max(1, shape["rows"] // heads))  # tokens per program
+    tile_rows = next_power_of_2(block_q * heads)  # the MMA tile's M
     # Upper bounds from shapes alone: sum_b cdiv(q_len_b, block_q) tiles, keys <= the block table.
     num_tiles = min(tokens, (tokens + num_seqs * (block_q - 1)) // block_q)
     heads_fastest = shape["heads_fastest"] if heads_fastest is None else heads_fastest
@@ -773,7 +790,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         # (its K/V loads stream across split boundaries): 1.2x slower nested at 32k keys.
         # bench/results/h100-2026-12-07-attention-ab.
         nested_splits = not shape["decode"]
-    meta = dict(PAGE_SIZE=page, KV_SPLIT=split, GROUP_PAD=group_pad, HEAD_SPLIT=head_split,
+    meta = dict(PAGE_SIZE=page, KV_SPLIT=split, GROUP_PAD=group_pad, ROWS=tile_rows, HEAD_SPLIT=head_split,
                 SPLITS_PER_PROGRAM=per_program, HEADS_FASTEST=heads_fastest, BLOCK_Q=block_q, HEAD_DIM=head_dim,
                 IS_BF16=is_bf16, UPCAST=INTERPRET and is_bf16, KV_CHUNK=kv_chunk, BLOCK_B=BLOCK_B, TMA=tma,
                 EXP2=spec.exp == "exp2", ROUNDED_SUM=spec.row_sum == "sum_of_rounded_p", KV_FP8=kv_fp8,
