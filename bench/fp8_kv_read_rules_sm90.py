@@ -53,7 +53,8 @@ RULES = {
     "bf16 exact, fp32": [(_SCALED, "        y = x.to(tl.float32)\n    else:\n        y = x.to(tl.float32)")],
     "bf16 exact, direct": [(_SCALED, "        y = x\n    else:\n        y = x")],
     "f16 operands": _F16,
-    "f16, no barrier": _F16 + [("    if OPERAND_BARRIER:\n        # Triton picks", "    if False:\n        # Triton picks")],
+    "f16, no barrier": _F16 + [("    if OPERAND_BARRIER:\n        # Triton picks",
+                                "    if False:\n        # Triton picks")],
 }
 
 
@@ -99,7 +100,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as folder:
         cases = [("bf16 cache", attention._attention_kernel, False)]
         cases += [(name, _edited_module(name, edits, folder)._attention_kernel, True) for name, edits in RULES.items()]
-        print(f"{'read rule':<20} {'1 split/program':>16} {'2 splits/program':>17}   registers/spills, top opcodes (2 splits)")
+        print(f"{'read rule':<20} {'1 split/program':>16} {'2 splits/program':>17}   "
+              "registers/spills, top opcodes (2 splits)")
         for name, kernel, fp8 in cases:
             rows[name] = {spp: _chunk_loop(kernel, fp8, spp) for spp in (1, 2)}
             one, two = rows[name][1], rows[name][2]

@@ -698,7 +698,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     num_warps: int | None = None, num_stages: int | None = None, head_split: int | None = None,
                     heads_fastest: bool | None = None, splits_per_program: int | None = None,
                     tma: bool | None = None, maxnreg: int | None = None, nested_splits: bool | None = None,
-                    packed_heads: bool | None = None, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                    packed_heads: bool | None = None, k_scale: torch.Tensor | None = None,
+                    v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q (T, Hq, D); caches (pages, P, Hkv, D); metadata as in hal.backend.AttentionMetadata; the
     reduction structure from ``spec`` ([attention]); vendor launch choices from ``policy``.
     ``split_parallel``, ``block_q``, ``num_warps``, ``num_stages``, ``head_split`` (programs per KV
@@ -707,8 +708,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     (K/V by tensor descriptor where ``_tma_ok``), ``maxnreg`` (the register cap per thread, 0 for
     none: more programs per multiprocessor), ``nested_splits`` (the kernel's loop structure: a loop over
     splits with the chunk loops inside, or one flat chunk loop) and ``packed_heads`` (a GQA group that is not a
-    power of two laid out unpadded in the tile's rows; one program per KV head) override the launch shape (tests and tuning);
-    they never change the bits. ``k_scale`` / ``v_scale``: fp8 caches' scales ([fp8]: (pages, P, Hkv) fp32 per
+    power of two laid out unpadded in the tile's rows; one program per KV head) override the launch shape (tests
+    and tuning); they never change the bits. ``k_scale`` / ``v_scale``: fp8 caches' scales ([fp8]: (pages, P, Hkv) fp32 per
     token-head, or 0-dim fixed), required exactly when the caches are fp8 (``hal.fp8.Fp8KVCache``)."""
     tokens, q_heads, head_dim = q.shape
     kv_fp8 = k_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
