@@ -51,18 +51,18 @@ PREFILL_VARIANTS = [dict(block_q=8), dict(block_q=32, num_warps=8)]
 ODD_GROUP_VARIANTS = [dict(block_q=8), dict(block_q=16, num_warps=8)]
 DECODE_VARIANTS = [dict(split_parallel=True), dict(split_parallel=False), dict(split_parallel=True,
                                                                               splits_per_program=2)]
-# Most varied bit checks first (planted NaN / Inf, chunked prefill, decode launch variants, 32k keys), so that a
-# --budget-s cut keeps them
+# Most varied bit checks first (planted NaN / Inf, chunked prefill, decode launch variants, 32k keys), then the
+# packed GQA groups (5, 7, 3), so that a --budget-s cut keeps them
 CASES = [
     ("prefill, planted", [3000], [3000], 32, 8, 128, 64, PREFILL_VARIANTS),   # TMA, the last chunk part-filled
     ("chunked prefill", [3000, 700, 40], [700, 700, 1], 40, 8, 128, 16, ODD_GROUP_VARIANTS),
     ("decode", [2048] * 16, [1] * 16, 40, 8, 128, 32, DECODE_VARIANTS),
     ("decode", [32768], [1], 32, 8, 128, 64, []),
+    ("prefill", [4096], [4096], 40, 8, 128, 16, ODD_GROUP_VARIANTS),
+    ("prefill", [4096], [4096], 28, 4, 128, 16, []),
+    ("prefill", [2048], [2048], 24, 8, 128, 64, []),
     ("prefill", [2048], [2048], 32, 8, 128, 64, PREFILL_VARIANTS),
     ("prefill", [512], [512], 32, 8, 128, 64, PREFILL_VARIANTS),
-    ("prefill", [4096], [4096], 28, 4, 128, 16, []),
-    ("prefill", [4096], [4096], 40, 8, 128, 16, ODD_GROUP_VARIANTS),
-    ("prefill", [2048], [2048], 24, 8, 128, 64, []),
     ("decode", [512] * 4, [1] * 4, 32, 8, 128, 64, DECODE_VARIANTS),
     ("prefill", [8192], [8192], 32, 8, 128, 64, []),
     ("prefill", [4096], [4096], 64, 8, 128, 64, []),
