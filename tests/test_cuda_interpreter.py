@@ -750,3 +750,39 @@ def test_packed_gqa_rows_give_the_padded_rows_bits(cuda, group, monkeypatch):
     assert seen[0] == group and seen[1] == next_power_of_2(group)
     with pytest.raises(ValueError, match="packed_heads"):
         run(packed_heads=True, head_split=2)
+
+
+def test_a_row_seeing_an_infinite_v_is_nan_whatever_its_tile(cuda, reference):
+    """[attention].mask: an output element whose row sees a non-finite V entry is NaN. An unmasked chunk has no
+    guard (its arithmetic makes p * Inf = Inf), a masked chunk's repair selects NaN; which one a row's chunk is
+    depends on its tile (a chunk is unmasked for a tile whose first query sees all of it). So the output maps
+    every non-finite element to NaN: the row at position 165 below sees the +Inf key 140 in an unmasked chunk
+    with 16-token tiles (first query 160) and in a masked one with 64-token tiles (first query 136); before the
+    map it was +Inf in one and NaN in the other (found on the H100, 2026-12-07). The reference gives NaN too."""
+    from hal.backends.cuda.launch import CUDA_LAUNCH
+    from hal.conformance.checks import random_tensor
+    from hal.kernels import attention
+    from hal.kvcache import build_metadata
+
+    g = torch.Generator().manual_seed(11)
+    page, d, n, q_len = 16, 16, 200, 64
+    pages = -(-n // page)
+    k_cache = random_tensor((pages, page, 1, d), torch.bfloat16, g)
+    v_cache = random_tensor((pages, page, 1, d), torch.bfloat16, g)
+    v_cache[140 // page, 140 % page, 0, 3] = float("inf")
+    q = random_tensor((q_len, 1, d), torch.bfloat16, g)
+    meta = build_metadata([q_len], [n], [list(range(pages))])
+    spec = _attention_spec(32, 96)
+
+    def run(**launch):
+        return attention.paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_table,
+                                         d ** -0.5, spec, policy=CUDA_LAUNCH, **launch)
+    small, large = run(block_q=16, split_parallel=False), run(block_q=64, split_parallel=False)
+    row = 165 - (n - q_len)
+    assert torch.isnan(small[row, 0, 3].float()) and torch.isnan(large[row, 0, 3].float())
+    assert torch.equal(small.view(torch.int16), large.view(torch.int16))
+    assert torch.isfinite(small[row, 0, :3].float()).all()        # only the column that holds the Inf
+    assert torch.equal(run(block_q=16, split_parallel=True).view(torch.int16), small.view(torch.int16))  # merge
+    assert not torch.isinf(small.float()).any()
+    ref = reference.attention(q, k_cache, v_cache, meta, scale=d ** -0.5)
+    assert torch.isnan(ref[row, 0, 3].float()) and torch.equal(torch.isnan(ref.float()), torch.isnan(small.float()))

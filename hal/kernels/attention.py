@@ -298,6 +298,16 @@ def _masked_repair(acc, alpha, p, v, m, l, m_new, l_new, keys, key_ok, positions
 
 
 @triton.jit
+def _nan_if_not_finite(out):
+    """[attention].mask: an output element whose row sees a non-finite V entry is NaN, one NaN. A masked chunk's
+    repair selects NaN; an unmasked chunk has no guard, and its arithmetic gives +-Inf (p * Inf) or another NaN
+    (0 * Inf, Inf - Inf). Which one a row meets depends on its tile (a chunk is unmasked for a tile whose first
+    query sees all of it), so without this map a row was +Inf in one tiling and NaN in another (H100, 2026-12-07).
+    Finite values pass unchanged."""
+    return tl.where(tl.abs(out) < float("inf"), out, float("nan"))
+
+
+@triton.jit
 def _merge(big_m, big_l, big_a, m, l, acc, merging, EXP2: tl.constexpr):
     """Fold one split's (m, l, acc) into (M, L, A) for the rows in ``merging``."""
     m_merged = tl.maximum(big_m, m)
@@ -490,7 +500,7 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part
         writer = q_row_ok & (head_in_group + kvh + split == 0)
         tl.store(part_pos_ptr + token, positions, mask=writer)
     else:
-        out = tl.div_rn(big_a, tl.where(q_row_ok, big_l, 1.0)[:, None])
+        out = _nan_if_not_finite(tl.div_rn(big_a, tl.where(q_row_ok, big_l, 1.0)[:, None]))
         tl.store(out_ptr + token.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                  to_activation(out, IS_BF16), mask=q_row_ok[:, None])
 
@@ -527,7 +537,7 @@ def _merge_kernel(part_m_ptr, part_l_ptr, part_a_ptr, part_pos_ptr, out_ptr, que
         big_l = big_l * a + l * bb
         big_a = big_a * a + acc * bb
         big_m = m_merged
-    out = tl.div_rn(big_a, tl.where(splits > 0, big_l, 1.0))   # an owned row's L >= 1 (its maximum's p is 1)
+    out = _nan_if_not_finite(tl.div_rn(big_a, tl.where(splits > 0, big_l, 1.0)))  # an owned row's L >= 1
     tl.store(out_ptr + token.to(tl.int64) * stride_ot + head * stride_oh + offs_d, to_activation(out, IS_BF16))
 
 

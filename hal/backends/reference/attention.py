@@ -133,5 +133,7 @@ def _online_softmax(s: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, s
         big_m = torch.where(merging, m_merged, big_m)
         big_l = torch.where(merging, l_merged, big_l)
         big_a = torch.where(merging.view(1, -1, 1), a_merged, big_a)
-    # fp64 quotient rounded once to fp32: the correctly rounded fp32 quotient on any host (see _fdiv)
-    return torch.div(big_a.double(), big_l.unsqueeze(-1).double()).float().to(dtype)
+    # fp64 quotient rounded once to fp32: the correctly rounded fp32 quotient on any host (see _fdiv); a non-finite
+    # element is NaN, one NaN ([attention].mask: the row saw a non-finite K or V)
+    out = torch.div(big_a.double(), big_l.unsqueeze(-1).double()).float()
+    return torch.where(torch.isfinite(out), out, torch.tensor(float("nan"))).to(dtype)
