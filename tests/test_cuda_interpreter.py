@@ -757,8 +757,10 @@ def test_a_row_seeing_an_infinite_v_is_nan_whatever_its_tile(cuda, reference):
     guard (its arithmetic makes p * Inf = Inf), a masked chunk's repair selects NaN; which one a row's chunk is
     depends on its tile (a chunk is unmasked for a tile whose first query sees all of it). So the output maps
     every non-finite element to NaN: the row at position 165 below sees the +Inf key 140 in an unmasked chunk
-    with 16-token tiles (first query 160) and in a masked one with 64-token tiles (first query 136); before the
-    map it was +Inf in one and NaN in the other (found on the H100, 2026-12-07). The reference gives NaN too."""
+    with 16-token tiles (first query 160) and in a masked one with 64-token tiles (first query 136). Before the
+    map the two tilings differed there: +Inf against NaN on the H100 (2026-12-07), two NaNs of different bits
+    under the interpreter (numpy's default NaN is negative). The reference gives NaN too. Negative control:
+    another split size gives other bits (the comparison can fail)."""
     from hal.backends.cuda.launch import CUDA_LAUNCH
     from hal.conformance.checks import random_tensor
     from hal.kernels import attention
@@ -784,5 +786,8 @@ def test_a_row_seeing_an_infinite_v_is_nan_whatever_its_tile(cuda, reference):
     assert torch.isfinite(small[row, 0, :3].float()).all()        # only the column that holds the Inf
     assert torch.equal(run(block_q=16, split_parallel=True).view(torch.int16), small.view(torch.int16))  # merge
     assert not torch.isinf(small.float()).any()
+    other_split = attention.paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_table,
+                                            d ** -0.5, _attention_spec(32, 64), policy=CUDA_LAUNCH, block_q=16)
+    assert not torch.equal(other_split.view(torch.int16), small.view(torch.int16))
     ref = reference.attention(q, k_cache, v_cache, meta, scale=d ** -0.5)
     assert torch.isnan(ref[row, 0, 3].float()) and torch.equal(torch.isnan(ref.float()), torch.isnan(small.float()))
