@@ -649,6 +649,28 @@ def test_narrow_rms_norm_is_the_pairwise_tree_for_every_launch(cuda, residual):
     assert not torch.equal(x * _fp32_inverse_rms(serial, 128, 1e-6)[:, None], tree)
 
 
+def _scrambled_batch_with_bad_v(seed, seq_lens, q_lens, hq, hkv, d, *, planted, kv_head, page=16):
+    """A bf16 batch on 16-key pages in scrambled order: (q, k_cache, v_cache, metadata, block tables). V of the
+    first sequence holds NaN at key ``planted[0]`` and +Inf at ``planted[1]`` (dims 3..8 of ``kv_head``), keys
+    that the later rows of that sequence see and the earlier ones do not."""
+    from hal.conformance.checks import random_tensor
+    from hal.kvcache import build_metadata
+
+    g = torch.Generator().manual_seed(seed)
+    pages = [-(-n // page) for n in seq_lens]
+    order = torch.randperm(sum(pages), generator=g).tolist()
+    tables, at = [], 0
+    for n in pages:
+        tables.append(order[at: at + n])
+        at += n
+    k_cache = random_tensor((sum(pages), page, hkv, d), torch.bfloat16, g)
+    v_cache = random_tensor((sum(pages), page, hkv, d), torch.bfloat16, g)
+    for pos, value in zip(planted, (float("nan"), float("inf"))):
+        v_cache[tables[0][pos // page], pos % page, kv_head, 3:9] = value
+    q = random_tensor((sum(q_lens), hq, d), torch.bfloat16, g)
+    return q, k_cache, v_cache, build_metadata(q_lens, seq_lens, tables), tables
+
+
 def test_nested_split_loop_gives_the_flat_loops_bits(cuda):
     """``nested_splits`` (a loop over the splits with the chunk loops inside, the structure a wgmma tile needs
     for ptxas to keep its MMAs pipelined) against the flat chunk loop: the same bits for prefill, chunked
@@ -658,25 +680,11 @@ def test_nested_split_loop_gives_the_flat_loops_bits(cuda):
     NaN / Inf planted in V of keys that some rows of a tile see and others do not. Negative control: another
     split size gives other bits (the comparison can fail)."""
     from hal.backends.cuda.launch import CUDA_LAUNCH
-    from hal.conformance.checks import random_tensor
     from hal.kernels import attention
-    from hal.kvcache import build_metadata
 
-    g = torch.Generator().manual_seed(5)
-    page, hq, hkv, d = 16, 8, 2, 32
-    seq_lens, q_lens = [230, 97, 40], [70, 1, 40]
-    pages = [-(-n // page) for n in seq_lens]
-    order = torch.randperm(sum(pages), generator=g).tolist()
-    tables, at = [], 0
-    for n in pages:
-        tables.append(order[at: at + n])
-        at += n
-    k_cache = random_tensor((sum(pages), page, hkv, d), torch.bfloat16, g)
-    v_cache = random_tensor((sum(pages), page, hkv, d), torch.bfloat16, g)
-    for pos, value in ((200, float("nan")), (215, float("inf"))):          # seen by the later rows of seq 0
-        v_cache[tables[0][pos // page], pos % page, 0, 3:9] = value
-    q = random_tensor((sum(q_lens), hq, d), torch.bfloat16, g)
-    meta = build_metadata(q_lens, seq_lens, tables)
+    d = 32
+    q, k_cache, v_cache, meta, _ = _scrambled_batch_with_bad_v(5, [230, 97, 40], [70, 1, 40], 8, 2, d,
+                                                               planted=(200, 215), kv_head=0)
 
     def run(kv_split, **launch):
         return attention.paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_table,
@@ -702,27 +710,13 @@ def test_packed_gqa_rows_give_the_padded_rows_bits(cuda, group, monkeypatch):
     masked: unmasked they would redo the next tile's first token, the same bits, so no output shows it.)
     Negative control: another split size."""
     from hal.backends.cuda.launch import CUDA_LAUNCH
-    from hal.conformance.checks import random_tensor
     from hal.kernels import attention
     from hal.kernels.common import next_power_of_2
     from hal.kvcache import build_metadata
 
-    g = torch.Generator().manual_seed(group)
-    page, hkv, d = 16, 2, 32
-    hq = hkv * group
-    seq_lens, q_lens = [200, 97, 20], [30, 1, 20]
-    pages = [-(-n // page) for n in seq_lens]
-    order = torch.randperm(sum(pages), generator=g).tolist()
-    tables, at = [], 0
-    for n in pages:
-        tables.append(order[at: at + n])
-        at += n
-    k_cache = random_tensor((sum(pages), page, hkv, d), torch.bfloat16, g)
-    v_cache = random_tensor((sum(pages), page, hkv, d), torch.bfloat16, g)
-    for pos, value in ((180, float("nan")), (190, float("inf"))):          # seen by the later rows of seq 0
-        v_cache[tables[0][pos // page], pos % page, 1, 3:9] = value
-    q = random_tensor((sum(q_lens), hq, d), torch.bfloat16, g)
-    meta = build_metadata(q_lens, seq_lens, tables)
+    d = 32
+    q, k_cache, v_cache, meta, tables = _scrambled_batch_with_bad_v(group, [200, 97, 20], [30, 1, 20], 2 * group, 2,
+                                                                    d, planted=(180, 190), kv_head=1)
 
     def run(kv_split=96, **launch):
         return attention.paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_table,
