@@ -324,8 +324,13 @@ class Fp8:
                             doc="per_token_head: each (token, KV head) vector of D values gets its own scale by "
                                 "the scale rule, stored fp32 beside the cache; fixed: one fp32 scale per layer "
                                 "and K/V given by the model (1.0 when it gives none)")
-    kv_dequant: str = _choice("fp32_multiply_round_act", doc="the one read path (prefill, chunked prefill, decode, "
-                                                              "training): k = round_act(fl32(fp32(q) * scale))")
+    kv_dequant: str = _choice("fp32_multiply_round_act", "f16_operands",
+                              doc="the one read path (prefill, chunked prefill, decode, training). "
+                                  "fp32_multiply_round_act: each element dequantised, k = round_act(fl32(fp32(q) * "
+                                  "scale)), then [attention] unchanged. f16_operands (kv_scale fixed only): K and V "
+                                  "enter the dots as f16 (exact for e4m3 and e5m2), q is rounded to f16, the scores "
+                                  "take fl32(score_factor * k_scale), P is rounded to f16 (for P @ V and the row sum), "
+                                  "and out = round_act(fl32(fl32(A / L) * v_scale)) (hal.fp8.F16_OPERANDS_RULE)")
 
     # The rules derived from these values, written once for every backend and the kit.
 
@@ -488,6 +493,11 @@ def _check_combinations(source: str, c: Contract) -> None:
         raise ContractError(source, "[attention].exp", a.exp,
                             "'exp2' with scale = 'folded_log2e', 'exp' with scale = 'multiply' "
                             f"(scale is {a.scale!r})")
+    # f16 operands take the scale off the elements (onto the scores and the output), which one scale per layer
+    # allows; per-(token, head) V scales would have to scale P before its f16 rounding (into f16's subnormals).
+    if c.fp8 is not None and c.fp8.kv_dequant == "f16_operands" and c.fp8.kv_scale != "fixed":
+        raise ContractError(source, "[fp8].kv_dequant", c.fp8.kv_dequant,
+                            f"'f16_operands' with kv_scale = 'fixed' (kv_scale is {c.fp8.kv_scale!r})")
     if a.kv_split and a.kv_split % a.kv_chunk:
         raise ContractError(source, "[attention].kv_split", a.kv_split,
                             f"0 or a multiple of [attention].kv_chunk ({a.kv_chunk})")

@@ -31,7 +31,7 @@ from hal.kernels.realises import CONTRACT_VALUES, HEAD_DIMS
 MIN_CAPABILITY = (8, 0)  # bf16 tensor-core MMA
 
 CAPABILITIES = Capabilities(
-    contracts=("bf16-dense-v1", "bf16-moe-v1", "bf16-ascend-v1", "bf16-fp8-v1", "bf16-moe-fp8-v1"),
+    contracts=("bf16-dense-v1", "bf16-moe-v1", "bf16-ascend-v1", "bf16-fp8-v1", "bf16-fp8-v2", "bf16-moe-fp8-v1"),
     dtypes=(torch.bfloat16, torch.float32),
     head_dims=HEAD_DIMS,
     page_sizes=None,  # any: a KV chunk that crosses pages is loaded key by key
@@ -236,9 +236,10 @@ class CudaBackend(Backend):
             _check_fp8_architecture(x.device)
         return self._fp8_moe.experts(x, w13, w13_scale_inv, w2, w2_scale_inv, topk_weights, topk_ids, shared, spec)
 
-    # The FP8 KV cache ([fp8].kv_format / kv_scale): the write quantises in the write kernel; attention
-    # dequantises each K/V tile as it loads it (the one read path), so it gives the bits of ``attention``
-    # over the dequantised caches and reads half the bytes of a bf16 cache.
+    # The FP8 KV cache ([fp8].kv_format / kv_scale): the write quantises in the write kernel; attention reads
+    # each K/V tile as it loads it by [fp8].kv_dequant: dequantised (then the bits of ``attention`` over the
+    # dequantised caches) or as f16 MMA operands (the fixed scales on the scores and the output). Half the
+    # bytes of a bf16 cache either way.
     def fp8_write_kv(self, k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping):
         self._kv_write.write_kv_fp8(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping,
                                     fp8.spec_of(self.contract, "cuda.fp8_write_kv"))
@@ -250,4 +251,5 @@ class CudaBackend(Backend):
         return self._attention.paged_attention(
             q.contiguous(), k_cache, v_cache, _int32(meta.query_start_loc), _int32(meta.seq_lens),
             _int32(meta.block_table), scale, self.contract.attention, policy=self._launch,
-            k_scale=k_scale, v_scale=v_scale)
+            k_scale=k_scale, v_scale=v_scale,
+            f16_operands=fp8.spec_of(self.contract, "cuda.fp8_attention").kv_dequant == "f16_operands")

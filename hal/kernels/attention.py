@@ -19,7 +19,12 @@ Reduction structure (contract [attention], read from the ``Attention`` section: 
 An FP8 KV cache ([fp8], ``hal.fp8.Fp8KVCache``) is read through [fp8]'s one read path: each K/V tile is
 dequantised as it is loaded, k = round_act(fl32(fp32(k_fp8) * scale)), and the recurrence above runs
 on it unchanged: the bits of the same kernel over a bf16 cache holding the dequantised values
-(``_dequantise`` says what keeps the MMA's operand layout, and so its sums, the same).
+(``_dequantise`` says what keeps the MMA's operand layout, and so its sums, the same). Under
+[fp8].kv_dequant = "f16_operands" (one fixed K and V scale per layer; F16_OPERANDS) no element is scaled:
+K and V tiles enter the MMAs as f16 (exact for e4m3 / e5m2), q is rounded to f16 once, the score factor is
+fl32(fl32(scale * log2 e) * k_scale), P is rounded to f16 instead of the activation dtype, and
+out = round_act(fl32(div_rn(A, L) * v_scale)) (in-kernel and in ``_merge_kernel``): one conversion per two
+elements, the bf16 cache's loop for half its bytes.
 
 A program owns BLOCK_Q query tokens of one sequence times the query heads that share one KV head
 (rows = token x head), or a slice of those heads (``HEAD_SPLIT`` programs per KV head). Free launch
@@ -106,10 +111,18 @@ def _exp(x, EXP2: tl.constexpr):
 
 @triton.jit
 def _dequantise(x, scale_ptr, scale_off, key_ok, MASKED: tl.constexpr, PER_TOKEN_SCALE: tl.constexpr,
-                IS_BF16: tl.constexpr, UPCAST: tl.constexpr, OPERAND_BARRIER: tl.constexpr):
+                IS_BF16: tl.constexpr, UPCAST: tl.constexpr, OPERAND_BARRIER: tl.constexpr,
+                F16_OPERANDS: tl.constexpr):
     """[fp8]'s KV read path for a (KV_CHUNK, HEAD_DIM) fp8 tile: round_act(fl32(fp32(x) * scale)), with
     each key's (token, head) scale or the layer's fixed one; keys past the sequence (masked loads: x is
-    0) take scale 0, not the NaN of a never-written slot."""
+    0) take scale 0, not the NaN of a never-written slot. F16_OPERANDS: the tile as f16, exact, unscaled."""
+    if F16_OPERANDS:
+        y = x.to(tl.float16)
+        if OPERAND_BARRIER:  # as below: the MMA takes the f16 tile as it would take an f16 cache's
+            y = tl.inline_asm_elementwise("mov.b16 $0, $1;", "=h,h", [y], dtype=tl.float16, is_pure=False, pack=1)
+        if UPCAST:  # the interpreter: fp32 operands holding the f16 values
+            y = y.to(tl.float32)
+        return y
     if PER_TOKEN_SCALE:
         if MASKED:
             s = tl.load(scale_ptr + scale_off, mask=key_ok, other=0.0)
@@ -143,7 +156,8 @@ def _chunk(q, m, l, acc, n0, b, kvh, positions, first_position, seq_len, q_row_o
            PAGE_SIZE: tl.constexpr, KV_CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr, IS_BF16: tl.constexpr,
            UPCAST: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr, EXP2: tl.constexpr,
            ROUNDED_SUM: tl.constexpr, KV_FP8: tl.constexpr, PER_TOKEN_SCALE: tl.constexpr,
-           OPERAND_BARRIER: tl.constexpr, BAD_V_BY_MIN: tl.constexpr, FINITE_V_FAST_PATH: tl.constexpr):
+           OPERAND_BARRIER: tl.constexpr, BAD_V_BY_MIN: tl.constexpr, FINITE_V_FAST_PATH: tl.constexpr,
+           F16_OPERANDS: tl.constexpr):
     """One KV chunk of the recurrence in the module docstring. MASKED=False only for chunks every
     row of the tile sees entirely; the unmasked formulas are the masked ones with every key visible.
     TMA: the chunk lies in one page and the caches are tensor descriptors of 2-D views whose rows
@@ -152,7 +166,9 @@ def _chunk(q, m, l, acc, n0, b, kvh, positions, first_position, seq_len, q_row_o
     K/V rows (rows past the sequence: the masked pointer loads zero them, ``_masked_repair`` those by TMA).
     KV_FP8: the caches hold [fp8].kv_format values (never by descriptor), dequantised as they are
     loaded by [fp8]'s one read path (``_dequantise``): the MMAs then see the very K/V tiles that a bf16
-    cache holding the dequantised values would give them, so the bits are that cache's."""
+    cache holding the dequantised values would give them, so the bits are that cache's. F16_OPERANDS: q, K, V
+    and P are f16 MMA operands (``scale_log2e`` then holds the K scale too; the module docstring)."""
+    NATIVE: tl.constexpr = (IS_BF16 or F16_OPERANDS) and not UPCAST  # 16-bit MMA operands, else "ieee" fp32 dots
     keys = n0 + tl.arange(0, KV_CHUNK)
     if TMA:
         page = tl.load(block_table_ptr + b * stride_bt + n0 // PAGE_SIZE)
@@ -186,13 +202,13 @@ def _chunk(q, m, l, acc, n0, b, kvh, positions, first_position, seq_len, q_row_o
             v = tl.load(v_cache_ptr + kv_off)
         if KV_FP8:
             k = _dequantise(k, k_scale_ptr, scale_rows + kvh * stride_sh, keys < seq_len, MASKED, PER_TOKEN_SCALE,
-                            IS_BF16, UPCAST, OPERAND_BARRIER)
+                            IS_BF16, UPCAST, OPERAND_BARRIER, F16_OPERANDS)
             v = _dequantise(v, v_scale_ptr, scale_rows + kvh * stride_sh, keys < seq_len, MASKED, PER_TOKEN_SCALE,
-                            IS_BF16, UPCAST, OPERAND_BARRIER)
+                            IS_BF16, UPCAST, OPERAND_BARRIER, F16_OPERANDS)
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
-    if IS_BF16 and not UPCAST:
+    if NATIVE:
         s = tl.dot(q, tl.trans(k))
     else:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
@@ -215,15 +231,19 @@ def _chunk(q, m, l, acc, n0, b, kvh, positions, first_position, seq_len, q_row_o
         # [attention].row_sum = "sum_of_fp32_p": the fp32 P before its rounding, summed by an fp32
         # "ieee" dot (FMA steps along the keys, the same for every tile shape), never a tl.sum tree
         row_sum = tl.max(tl.dot(p, tl.full((KV_CHUNK, 16), 1.0, dtype=tl.float32), input_precision="ieee"), axis=1)
-    if IS_BF16:
+    if F16_OPERANDS:
+        p = p.to(tl.float16)  # nearest even (the interpreter's numpy cast too)
+        if UPCAST:
+            p = p.to(tl.float32)
+    elif IS_BF16:
         if UPCAST:  # the interpreter's .to(bf16) truncates; keep fp32 operands holding bf16 values
             p = round_to_bf16(p)
         else:  # round-to-nearest-even, the same bits as round_to_bf16
             p = p.to(tl.bfloat16)
     if ROUNDED_SUM:
-        row_sum = tl.max(_dot(p, ones, IS_BF16 and not UPCAST), axis=1)
+        row_sum = tl.max(_dot(p, ones, NATIVE), axis=1)
     l_new = l * alpha + row_sum
-    acc_new = acc * alpha[:, None] + _dot(p, v, IS_BF16 and not UPCAST)
+    acc_new = acc * alpha[:, None] + _dot(p, v, NATIVE)
     if MASKED:
         # [attention].mask: a masked key contributes nothing, whatever its K and V hold (NaN, Inf, a
         # never-written slot). Its score is selected out above (a NaN s stays in its own column: q.k is
@@ -244,8 +264,7 @@ def _chunk(q, m, l, acc, n0, b, kvh, positions, first_position, seq_len, q_row_o
             repair: tl.constexpr = True
         if repair:
             m, l, acc = _masked_repair(acc, alpha, p, v, m, l, m_new, l_new, keys, key_ok, positions, q_row_ok,
-                                       visible, row_visits, TMA and FINITE_V_FAST_PATH, IS_BF16 and not UPCAST,
-                                       BAD_V_BY_MIN)
+                                       visible, row_visits, TMA and FINITE_V_FAST_PATH, NATIVE, BAD_V_BY_MIN)
         else:
             m, l, acc = m_new, l_new, acc_new
     else:
@@ -255,7 +274,7 @@ def _chunk(q, m, l, acc, n0, b, kvh, positions, first_position, seq_len, q_row_o
 
 @triton.jit
 def _dot(a, b, NATIVE: tl.constexpr):
-    """a @ b on the tensor cores: bf16 operands natively, fp32 ones (the interpreter's upcast bf16
+    """a @ b on the tensor cores: bf16 / f16 operands natively, fp32 ones (the interpreter's upcast 16-bit
     values, fp32 models) with "ieee" precision."""
     if NATIVE:
         return tl.dot(a, b)
@@ -374,12 +393,14 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part
                       BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT_PARALLEL: tl.constexpr,
                       IS_BF16: tl.constexpr, UPCAST: tl.constexpr, KV_CHUNK: tl.constexpr, BLOCK_B: tl.constexpr,
                       TMA: tl.constexpr, EXP2: tl.constexpr, ROUNDED_SUM: tl.constexpr, KV_FP8: tl.constexpr,
-                      PER_TOKEN_SCALE: tl.constexpr, OPERAND_BARRIER: tl.constexpr, NESTED_SPLITS: tl.constexpr):
+                      PER_TOKEN_SCALE: tl.constexpr, OPERAND_BARRIER: tl.constexpr, NESTED_SPLITS: tl.constexpr,
+                      F16_OPERANDS: tl.constexpr):
     """k_cache_ptr, v_cache_ptr: pointers, or with TMA tensor descriptors (``_chunk``); with KV_FP8 the
     caches are fp8 and k_scale_ptr / v_scale_ptr their (pages, P, Hkv) scales (strides stride_s*) or,
     without PER_TOKEN_SCALE, one fixed scale each. GROUP_PAD: the GQA group as a program's rows lay it out,
     the group padded to a power of two or (packed) the group itself; ROWS: the tile's rows, a power of two
-    >= BLOCK_Q x GROUP_PAD // HEAD_SPLIT (more only when packed: the rows past the tokens' are idle)."""
+    >= BLOCK_Q x GROUP_PAD // HEAD_SPLIT (more only when packed: the rows past the tokens' are idle).
+    F16_OPERANDS: [fp8].kv_dequant = "f16_operands" over fixed scales (the module docstring)."""
     tile_index, head_program, split = _coordinates(HEADS_FASTEST)
     # Highest tile first: later tiles of a sequence see more keys, so the long ones start early.
     tile = num_tiles - 1 - tile_index
@@ -405,7 +426,12 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part
     offs_d = tl.arange(0, HEAD_DIM)
     q = tl.load(q_ptr + token.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=q_row_ok[:, None], other=0.0)
-    if IS_BF16 and not UPCAST:
+    if F16_OPERANDS:
+        q = q.to(tl.float16)                             # nearest even, once
+        scale_log2e = scale_log2e * tl.load(k_scale_ptr)  # fl32(fl32(scale * log2 e) * k_scale)
+    if F16_OPERANDS and not UPCAST:
+        ones = tl.full((KV_CHUNK, 16), 1.0, dtype=tl.float16)
+    elif IS_BF16 and not UPCAST:
         ones = tl.full((KV_CHUNK, 16), 1.0, dtype=tl.bfloat16)
     else:
         ones = tl.full((KV_CHUNK, 16), 1.0, dtype=tl.float32)
@@ -447,13 +473,15 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part
                                k_cache_ptr, v_cache_ptr, block_table_ptr, stride_bt, stride_kp, stride_kr, stride_kh,
                                scale_log2e, offs_d, k_scale_ptr, v_scale_ptr, stride_sp, stride_sr, stride_sh,
                                PAGE_SIZE, KV_CHUNK, HEAD_DIM, IS_BF16, UPCAST, False, TMA, EXP2, ROUNDED_SUM, KV_FP8,
-                               PER_TOKEN_SCALE, OPERAND_BARRIER, BLOCK_M >= 64, FINITE_V_FAST_PATH)
+                               PER_TOKEN_SCALE, OPERAND_BARRIER, BLOCK_M >= 64, FINITE_V_FAST_PATH,
+                               F16_OPERANDS)
             for n0 in range(unmasked_end, split_end, KV_CHUNK):
                 m, l, acc = _chunk(q, m, l, acc, n0, b, kvh, positions, first_position, seq_len, q_row_ok, ones,
                                k_cache_ptr, v_cache_ptr, block_table_ptr, stride_bt, stride_kp, stride_kr, stride_kh,
                                scale_log2e, offs_d, k_scale_ptr, v_scale_ptr, stride_sp, stride_sr, stride_sh,
                                PAGE_SIZE, KV_CHUNK, HEAD_DIM, IS_BF16, UPCAST, True, TMA, EXP2, ROUNDED_SUM, KV_FP8,
-                               PER_TOKEN_SCALE, OPERAND_BARRIER, BLOCK_M >= 64, FINITE_V_FAST_PATH)
+                               PER_TOKEN_SCALE, OPERAND_BARRIER, BLOCK_M >= 64, FINITE_V_FAST_PATH,
+                               F16_OPERANDS)
             sees_split = q_row_ok & (positions >= split_start)
             if SPLIT_PARALLEL:
                 _store_split(part_m_ptr, part_l_ptr, part_a_ptr, m, l, acc, split_start // KV_SPLIT, sees_split,
@@ -472,7 +500,7 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part
                                k_cache_ptr, v_cache_ptr, block_table_ptr, stride_bt, stride_kp, stride_kr, stride_kh,
                                scale_log2e, offs_d, k_scale_ptr, v_scale_ptr, stride_sp, stride_sr, stride_sh,
                                PAGE_SIZE, KV_CHUNK, HEAD_DIM, IS_BF16, UPCAST, False, TMA, EXP2, ROUNDED_SUM, KV_FP8,
-                               PER_TOKEN_SCALE, OPERAND_BARRIER, False, FINITE_V_FAST_PATH)
+                               PER_TOKEN_SCALE, OPERAND_BARRIER, False, FINITE_V_FAST_PATH, F16_OPERANDS)
             big_m, big_l, big_a, m, l, acc = _end_of_chunk(
                 big_m, big_l, big_a, m, l, acc, n0, hi, q_row_ok, positions, token, head, num_q_heads, max_splits,
                 part_m_ptr, part_l_ptr, part_a_ptr, offs_d, HEAD_DIM, KV_CHUNK, KV_SPLIT, SPLIT_PARALLEL,
@@ -482,7 +510,7 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part
                                k_cache_ptr, v_cache_ptr, block_table_ptr, stride_bt, stride_kp, stride_kr, stride_kh,
                                scale_log2e, offs_d, k_scale_ptr, v_scale_ptr, stride_sp, stride_sr, stride_sh,
                                PAGE_SIZE, KV_CHUNK, HEAD_DIM, IS_BF16, UPCAST, True, TMA, EXP2, ROUNDED_SUM, KV_FP8,
-                               PER_TOKEN_SCALE, OPERAND_BARRIER, False, FINITE_V_FAST_PATH)
+                               PER_TOKEN_SCALE, OPERAND_BARRIER, False, FINITE_V_FAST_PATH, F16_OPERANDS)
             big_m, big_l, big_a, m, l, acc = _end_of_chunk(
                 big_m, big_l, big_a, m, l, acc, n0, hi, q_row_ok, positions, token, head, num_q_heads, max_splits,
                 part_m_ptr, part_l_ptr, part_a_ptr, offs_d, HEAD_DIM, KV_CHUNK, KV_SPLIT, SPLIT_PARALLEL,
@@ -500,16 +528,20 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part
         writer = q_row_ok & (head_in_group + kvh + split == 0)
         tl.store(part_pos_ptr + token, positions, mask=writer)
     else:
-        out = _nan_if_not_finite(tl.div_rn(big_a, tl.where(q_row_ok, big_l, 1.0)[:, None]))
+        out = tl.div_rn(big_a, tl.where(q_row_ok, big_l, 1.0)[:, None])
+        if F16_OPERANDS:
+            out = out * tl.load(v_scale_ptr)
+        out = _nan_if_not_finite(out)
         tl.store(out_ptr + token.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                  to_activation(out, IS_BF16), mask=q_row_ok[:, None])
 
 
 @triton.jit(do_not_specialize=["max_splits"])   # per call outside vLLM (the block table's width)
 def _merge_kernel(part_m_ptr, part_l_ptr, part_a_ptr, part_pos_ptr, out_ptr, query_start_loc_ptr, num_seqs, stride_ot,
-                  stride_oh, num_q_heads, max_splits, KV_SPLIT: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  IS_BF16: tl.constexpr, EXP2: tl.constexpr):
-    """Merge the splits of one (token, head) in ascending order; the same formula as in-kernel.
+                  stride_oh, num_q_heads, max_splits, v_scale_ptr, KV_SPLIT: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  IS_BF16: tl.constexpr, EXP2: tl.constexpr, F16_OPERANDS: tl.constexpr):
+    """Merge the splits of one (token, head) in ascending order; the same formula as in-kernel (with
+    F16_OPERANDS the quotient times the fixed V scale, as there).
     The loop is not software-pipelined: 3 stages measured 15% slower at B = 1 x 32k keys, 6 within
     1-2%; eight splits loaded before they were folded made this kernel 10-33% slower at every
     decode shape (H200, device time)."""
@@ -537,7 +569,10 @@ def _merge_kernel(part_m_ptr, part_l_ptr, part_a_ptr, part_pos_ptr, out_ptr, que
         big_l = big_l * a + l * bb
         big_a = big_a * a + acc * bb
         big_m = m_merged
-    out = _nan_if_not_finite(tl.div_rn(big_a, tl.where(splits > 0, big_l, 1.0)))  # an owned row's L >= 1
+    out = tl.div_rn(big_a, tl.where(splits > 0, big_l, 1.0))  # an owned row's L >= 1
+    if F16_OPERANDS:
+        out = out * tl.load(v_scale_ptr)
+    out = _nan_if_not_finite(out)
     tl.store(out_ptr + token.to(tl.int64) * stride_ot + head * stride_oh + offs_d, to_activation(out, IS_BF16))
 
 
@@ -709,7 +744,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     heads_fastest: bool | None = None, splits_per_program: int | None = None,
                     tma: bool | None = None, maxnreg: int | None = None, nested_splits: bool | None = None,
                     packed_heads: bool | None = None, k_scale: torch.Tensor | None = None,
-                    v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                    v_scale: torch.Tensor | None = None, f16_operands: bool = False) -> torch.Tensor:
     """q (T, Hq, D); caches (pages, P, Hkv, D); metadata as in hal.backend.AttentionMetadata; the
     reduction structure from ``spec`` ([attention]); vendor launch choices from ``policy``.
     ``split_parallel``, ``block_q``, ``num_warps``, ``num_stages``, ``head_split`` (programs per KV
@@ -720,12 +755,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     splits with the chunk loops inside, or one flat chunk loop) and ``packed_heads`` (a GQA group that is not a
     power of two laid out unpadded in the tile's rows; one program per KV head) override the launch shape (tests
     and tuning); they never change the bits. ``k_scale`` / ``v_scale``: fp8 caches' scales ([fp8]: (pages, P, Hkv) fp32 per
-    token-head, or 0-dim fixed), required exactly when the caches are fp8 (``hal.fp8.Fp8KVCache``)."""
+    token-head, or 0-dim fixed), required exactly when the caches are fp8 (``hal.fp8.Fp8KVCache``); ``f16_operands``:
+    read them by [fp8].kv_dequant = "f16_operands" (fixed scales only; the module docstring)."""
     tokens, q_heads, head_dim = q.shape
     kv_fp8 = k_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     if kv_fp8 != (k_scale is not None and v_scale is not None):
         raise ValueError("paged_attention: fp8 caches need k_scale and v_scale, and only fp8 caches take them")
     per_token_scale = kv_fp8 and k_scale.dim() == 3
+    if f16_operands and (not kv_fp8 or k_scale.dim() or v_scale.dim()):
+        raise ValueError("paged_attention: f16_operands reads fp8 caches with one fixed (0-dim) k_scale and v_scale")
     if per_token_scale and k_scale.stride() != v_scale.stride():
         raise ValueError("paged_attention: k_scale and v_scale must have the same strides")
     page, kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -744,7 +782,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     # call's own overrides replace both. No launch choice changes the bits.
     decode = {}
     if shape["decode"]:
-        decode = {**_decode_launch(num_seqs * kv_heads * max_splits, policy.multiprocessors(q.device), kv_fp8,
+        # f16 operands make the FP8 cache's loop the bf16 cache's size: the bf16 launch rule
+        decode = {**_decode_launch(num_seqs * kv_heads * max_splits, policy.multiprocessors(q.device),
+                                   kv_fp8 and not f16_operands,
                                    max_splits=max_splits, head_dim=head_dim, page=page),
                   **(policy.decode_launch(tokens, num_seqs, context, q_heads, kv_heads, head_dim, page, q.dtype,
                                           k_cache.dtype, spec) or {})}
@@ -803,9 +843,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         nested_splits = not shape["decode"]
     meta = dict(PAGE_SIZE=page, KV_SPLIT=split, GROUP_PAD=group_pad, ROWS=tile_rows, HEAD_SPLIT=head_split,
                 SPLITS_PER_PROGRAM=per_program, HEADS_FASTEST=heads_fastest, BLOCK_Q=block_q, HEAD_DIM=head_dim,
-                IS_BF16=is_bf16, UPCAST=INTERPRET and is_bf16, KV_CHUNK=kv_chunk, BLOCK_B=BLOCK_B, TMA=tma,
+                IS_BF16=is_bf16, UPCAST=INTERPRET and (is_bf16 or f16_operands), KV_CHUNK=kv_chunk, BLOCK_B=BLOCK_B, TMA=tma,
                 EXP2=spec.exp == "exp2", ROUNDED_SUM=spec.row_sum == "sum_of_rounded_p", KV_FP8=kv_fp8,
                 PER_TOKEN_SCALE=per_token_scale, OPERAND_BARRIER=kv_fp8 and not INTERPRET, NESTED_SPLITS=nested_splits,
+                F16_OPERANDS=f16_operands,
                 num_warps=num_warps or decode.get("num_warps") or shape["num_warps"], num_stages=num_stages, **LAUNCH)
     if maxnreg and not INTERPRET:
         meta["maxnreg"] = maxnreg
@@ -832,8 +873,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                **meta)
         launch(_merge_kernel, (tokens, q_heads),
                part_m, part_l, part_a, part_pos, out, query_start_loc, num_seqs, out.stride(0), out.stride(1),
-               q_heads, max_splits, KV_SPLIT=split, HEAD_DIM=head_dim, IS_BF16=is_bf16, EXP2=spec.exp == "exp2",
-               **LAUNCH)
+               q_heads, max_splits, v_scale if f16_operands else out, KV_SPLIT=split, HEAD_DIM=head_dim,
+               IS_BF16=is_bf16, EXP2=spec.exp == "exp2", F16_OPERANDS=f16_operands, **LAUNCH)
     else:
         launch(_attention_kernel, grid(1),
                q, k_arg, v_arg, out, out, out, out, out, query_start_loc, seq_lens, block_table, num_seqs, num_tiles,

@@ -51,7 +51,8 @@ class ReferenceBackend(Backend):
     name = "reference"
     description = "pure PyTorch, contract-exact and invariant by construction (CPU or any torch device)"
     kind = "cpu"
-    contracts = ("bf16-dense-v1", "bf16-moe-v1", "bf16-ascend-v1", "bf16-fp8-v1", "bf16-moe-fp8-v1")
+    contracts = ("bf16-dense-v1", "bf16-moe-v1", "bf16-ascend-v1", "bf16-fp8-v1", "bf16-fp8-v2",
+                 "bf16-moe-fp8-v1")
     dtypes = (torch.bfloat16, torch.float32)
 
     @classmethod
@@ -219,15 +220,20 @@ class ReferenceBackend(Backend):
                            fp8.spec_of(self.contract, "reference.fp8_write_kv"))
 
     def fp8_attention(self, q, k_cache, v_cache, k_scale, v_scale, meta: AttentionMetadata, *, scale):
-        # the read path materialised, then the contract's attention: exact by construction. Only the pages
-        # the block table names are read (a vLLM engine's cache is mostly pages of other requests, or none);
+        # fp32_multiply_round_act: the read path materialised, then the contract's attention; f16_operands: the
+        # contract's attention on f16 operands, the fixed scales on the scores and the output. Exact by
+        # construction either way. Only the pages the block table names are read (a vLLM engine's cache is mostly pages of other requests, or none);
         # the table is renumbered to them, so every key meets the same dequantised values.
         pages = torch.unique(meta.block_table.long())
         table = torch.searchsorted(pages, meta.block_table.long()).to(meta.block_table.dtype)
+        renumbered = AttentionMetadata(meta.query_start_loc, meta.seq_lens, table)
+        if fp8.spec_of(self.contract, "reference.fp8_attention").kv_dequant == "f16_operands":
+            return paged_attention(q, k_cache[pages], v_cache[pages], renumbered, scale, self.contract.attention,
+                                   fixed_scales=(k_scale, v_scale))
         per_token = k_scale.dim() > 0
         k = fp8.dequantise_kv(k_cache[pages], k_scale[pages] if per_token else k_scale, q.dtype)
         v = fp8.dequantise_kv(v_cache[pages], v_scale[pages] if per_token else v_scale, q.dtype)
-        return self.attention(q, k, v, AttentionMetadata(meta.query_start_loc, meta.seq_lens, table), scale=scale)
+        return self.attention(q, k, v, renumbered, scale=scale)
 
 
 __all__ = ["ReferenceBackend", "exact"]

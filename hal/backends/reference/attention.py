@@ -20,6 +20,10 @@ Reduction structure (bf16-dense-v1: kv_chunk = 64, kv_split = 512):
       L  = fl(fl(L * a) + fl(l * b));  A = fl(fl(A * a) + fl(acc * b))
   out = round_act(fl32(A / L))
 
+[fp8].kv_dequant = "f16_operands" (``fixed_scales``: an FP8 cache with one K and one V scale per layer):
+  q is rounded to f16 and the caches' e4m3 / e5m2 values enter as f16 (exact); the scores take
+  fl32(score * fl32(fl32(scale * log2 e) * k_scale)); p_r = rne_f16(p); out = round_act(fl32(fl32(A / L) * v_scale)).
+
 A query only visits chunks that hold at least one key it may see, so its bits cannot depend on
 how many queries share the call, where the prefill was cut, or how the pages are scattered.
 """
@@ -58,12 +62,21 @@ def check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, spec: Attention) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float, spec: Attention,
+                    fixed_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """``fixed_scales``: (k_scale, v_scale), 0-dim fp32, for an FP8 cache read by [fp8].kv_dequant = "f16_operands"
+    (the module docstring); the caches are then fp8 and q any activation dtype."""
     check_attention_inputs(q, k_cache, v_cache, meta)
     hq, hkv, page = q.shape[1], k_cache.shape[2], k_cache.shape[1]
     head_map = torch.arange(hq, device=q.device) // (hq // hkv)          # [attention].gqa
     scale_log2e = torch.tensor(spec.score_factor(scale), dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
+    v_scale = None
+    if fixed_scales is not None:
+        k_scale, v_scale = fixed_scales
+        scale_log2e = scale_log2e * k_scale.to(q.device)                    # fp32 product, rounded once
+        q = q.to(torch.float16)                                              # nearest even
+        k_cache, v_cache = k_cache.to(torch.float16), v_cache.to(torch.float16)     # exact
     starts, seq_lens, table = meta.host_lists()
     for b, seq_len in enumerate(seq_lens):
         q0, q1 = starts[b], starts[b + 1]
@@ -80,11 +93,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         vh = v.transpose(0, 1).index_select(0, head_map)                   # (Hq, L, D)
         s = matmul_fp32(qh, kh) * scale_log2e                              # (Hq, ql, L)
         positions = torch.arange(seq_len - q_len, seq_len, device=q.device)
-        out[q0:q1] = _online_softmax(s, vh, positions, spec).transpose(0, 1)
+        out[q0:q1] = _online_softmax(s, vh, positions, spec, v_scale).transpose(0, 1).to(out.dtype)
     return out
 
 
-def _online_softmax(s: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, spec: Attention) -> torch.Tensor:
+def _online_softmax(s: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, spec: Attention,
+                    v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 outputs (Hq, ql, D) of the recurrence; P is rounded to V's dtype (the activation dtype, or f16)."""
     heads, q_len, seq_len = s.shape
     dtype = v.dtype
     exp = exp2_fp32 if spec.exp == "exp2" else exp_fp32       # [attention].exp (validated with its scale)
@@ -136,4 +151,6 @@ def _online_softmax(s: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, s
     # fp64 quotient rounded once to fp32: the correctly rounded fp32 quotient on any host (see _fdiv); a non-finite
     # element is NaN, one NaN ([attention].mask: the row saw a non-finite K or V)
     out = torch.div(big_a.double(), big_l.unsqueeze(-1).double()).float()
-    return torch.where(torch.isfinite(out), out, torch.tensor(float("nan"))).to(dtype)
+    if v_scale is not None:
+        out = out * v_scale.to(out.device)                                   # fl32, after the quotient
+    return torch.where(torch.isfinite(out), out, torch.tensor(float("nan")))
