@@ -16,8 +16,8 @@ unmasked chunk loop (SASS instructions a thread issues per 64-key chunk) beside 
   f16, no barrier      the same without the operand barrier (docs/fp8.md: Triton then picks another MMA
                        operand layout, which changed the bits between phases on the H200)
 
-These are not the committed kernel's rules (only "current" is); the counts say which rule can reach 1.5x,
-before any of it is written into a contract. Needs the Triton 3.6 venv of bench/sm90_report.py:
+"current" is bf16-fp8-v1's rule; the "f16 operands" edit is what bf16-fp8-v2 later wrote into the contract, and
+the last row ("v2 kernel (committed)") compiles the committed kernel with F16_OPERANDS, which should match it. Needs the Triton 3.6 venv of bench/sm90_report.py:
 
     .venv-sm90/bin/python bench/fp8_kv_read_rules_sm90.py [--json out.json]
 """
@@ -74,15 +74,15 @@ def _edited_module(name: str, edits: list[tuple[str, str]], folder: str):
     return module
 
 
-def _chunk_loop(kernel, fp8: bool, splits_per_program: int) -> dict:
+def _chunk_loop(kernel, fp8: bool, splits_per_program: int, f16: bool = False) -> dict:
     types = dict(sm90_report.ATTENTION_TYPES)
     if fp8:
         types.update(k_cache_ptr="*fp8e4nv", v_cache_ptr="*fp8e4nv")
     constants = dict(PAGE_SIZE=16, KV_SPLIT=512, GROUP_PAD=4, ROWS=16, HEAD_SPLIT=1,
                      SPLITS_PER_PROGRAM=splits_per_program, HEADS_FASTEST=True, BLOCK_Q=4, HEAD_DIM=128,
                      SPLIT_PARALLEL=True, IS_BF16=True, UPCAST=False, KV_CHUNK=64, BLOCK_B=attention.BLOCK_B,
-                     TMA=False, EXP2=True, ROUNDED_SUM=True, KV_FP8=fp8, PER_TOKEN_SCALE=fp8, OPERAND_BARRIER=fp8,
-                     NESTED_SPLITS=False)
+                     TMA=False, EXP2=True, ROUNDED_SUM=True, KV_FP8=fp8, PER_TOKEN_SCALE=fp8 and not f16,
+                     OPERAND_BARRIER=fp8, NESTED_SPLITS=False, F16_OPERANDS=f16)
     compiled = compile_for_hopper(kernel, types, constants, 4, 5,
                                   not16=("num_seqs", "num_tiles", "group", "max_splits", "num_q_heads", "stride_sh"))
     row = sm90_report.report(compiled)
@@ -98,12 +98,14 @@ def main() -> int:
     args = ap.parse_args()
     rows = {}
     with tempfile.TemporaryDirectory() as folder:
-        cases = [("bf16 cache", attention._attention_kernel, False)]
-        cases += [(name, _edited_module(name, edits, folder)._attention_kernel, True) for name, edits in RULES.items()]
+        cases = [("bf16 cache", attention._attention_kernel, False, False)]
+        cases += [(name, _edited_module(name, edits, folder)._attention_kernel, True, False)
+                  for name, edits in RULES.items()]
+        cases += [("v2 kernel (committed)", attention._attention_kernel, True, True)]
         print(f"{'read rule':<20} {'1 split/program':>16} {'2 splits/program':>17}   "
               "registers/spills, top opcodes (2 splits)")
-        for name, kernel, fp8 in cases:
-            rows[name] = {spp: _chunk_loop(kernel, fp8, spp) for spp in (1, 2)}
+        for name, kernel, fp8, f16 in cases:
+            rows[name] = {spp: _chunk_loop(kernel, fp8, spp, f16) for spp in (1, 2)}
             one, two = rows[name][1], rows[name][2]
             print(f"{name:<20} {one['chunk_loop']:>16} {two['chunk_loop']:>17}   "
                   f"{two['registers']}/{two['spill_bytes']}, {two['top']}", flush=True)

@@ -113,9 +113,10 @@ ATTENTION_TYPES = dict(q_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16", 
 def attention_rows():
     """Prefill (64-key pages) and decode (16-key pages) of 32 query / 8 KV heads of 128, bf16: the
     default launch shapes (prefill also with the flat chunk loop, ``nested_splits=False``), and decode programs
-    that walk 2 or 4 consecutive splits; then decode over the FP8 KV cache ([fp8], per (token, head) scales)
-    at the default decode shape, whose chunk loop shows what the read path's dequantisation costs against
-    the bf16 cache's (``loop`` below: the unmasked chunk loop)."""
+    that walk 2 or 4 consecutive splits; then decode over the FP8 KV cache at the default decode shape, whose
+    chunk loop shows what the read path costs against the bf16 cache's (``loop`` below: the unmasked chunk
+    loop): "v1" dequantises each element (bf16-fp8-v1, per (token, head) scales), "v2" reads f16 operands
+    (bf16-fp8-v2, fixed scales)."""
     for phase, tokens, seqs, page, override, fp8 in [
             ("prefill", 4096, 1, 64, {}, False), ("prefill", 4096, 1, 64, dict(nested_splits=False), False),
             ("decode", 8, 8, 16, {}, False),
@@ -125,7 +126,9 @@ def attention_rows():
             ("prefill", 4096, 1, 64, dict(tma=False, nested_splits=False), False),
             ("decode", 8, 8, 64, dict(tma=True), False),
             ("decode", 8, 8, 64, dict(tma=True, splits_per_program=2), False),
-            ("decode", 8, 8, 16, dict(splits_per_program=2), True),
+            ("decode", 8, 8, 16, dict(splits_per_program=2), "v1"),
+            ("decode", 8, 8, 16, {}, "v2"), ("decode", 8, 8, 16, dict(splits_per_program=2), "v2"),
+            ("prefill", 4096, 1, 64, dict(tma=False), "v2"),
             ("prefill", 4096, 1, 64, dict(group=5), False)]:
         shape = dict(attention._launch_shape(tokens, seqs, group_pad=4), **override)
         group = shape.get("group", 4)   # 5: a GQA group of 5 packed as paged_attention packs it (12 tokens x 5)
@@ -139,13 +142,14 @@ def attention_rows():
                          SPLITS_PER_PROGRAM=shape["splits_per_program"], HEADS_FASTEST=shape["heads_fastest"],
                          BLOCK_Q=max(1, shape["rows"] // (group // shape["head_split"])), HEAD_DIM=128,
                          SPLIT_PARALLEL=shape["decode"], IS_BF16=True, UPCAST=False, KV_CHUNK=64,
-                         BLOCK_B=attention.BLOCK_B, TMA=shape["tma"], EXP2=True, ROUNDED_SUM=True, KV_FP8=fp8,
-                         PER_TOKEN_SCALE=fp8, OPERAND_BARRIER=fp8, NESTED_SPLITS=shape.get("nested_splits", not shape["decode"]))
+                         BLOCK_B=attention.BLOCK_B, TMA=shape["tma"], EXP2=True, ROUNDED_SUM=True, KV_FP8=bool(fp8),
+                         PER_TOKEN_SCALE=fp8 == "v1", OPERAND_BARRIER=bool(fp8),
+                         NESTED_SPLITS=shape.get("nested_splits", not shape["decode"]), F16_OPERANDS=fp8 == "v2")
         compiled = compile_for_hopper(attention._attention_kernel, types, constants, shape["num_warps"],
                                       shape["num_stages"],
                                       not16=("num_seqs", "num_tiles", "group", "max_splits", "num_q_heads",
                                              "stride_sh"))
-        yield (f"attention {phase}{' fp8 KV' if fp8 else ''}: {shape['rows']} rows, "
+        yield (f"attention {phase}{f' fp8 KV {fp8}' if fp8 else ''}: {shape['rows']} rows, "
                f"{shape['splits_per_program']} split(s)/program, w{shape['num_warps']} s{shape['num_stages']}"
                + (" TMA" if shape["tma"] else "") + ("" if shape.get("nested_splits", not shape["decode"]) == (not shape["decode"]) else
                   " nested splits" if shape["nested_splits"] else " flat loop")

@@ -193,7 +193,7 @@ def test_a_subclass_that_overrides_one_capability_keeps_the_rest():
 
     assert NoFp32Gemm.capabilities.unsupported == (("linear", torch.float32),)
     assert NoFp32Gemm.capabilities.contracts == ReferenceBackend.contracts == ("bf16-dense-v1", "bf16-moe-v1", "bf16-ascend-v1",
-                                                                         "bf16-fp8-v1", "bf16-moe-fp8-v1")
+                                                                         "bf16-fp8-v1", "bf16-fp8-v2", "bf16-moe-fp8-v1")
     assert ReferenceBackend.capabilities.unsupported == ()
 
 

@@ -122,7 +122,16 @@ def _dequantise(x, scale_ptr, scale_off, key_ok, MASKED: tl.constexpr, PER_TOKEN
             y = tl.inline_asm_elementwise("mov.b16 $0, $1;", "=h,h", [y], dtype=tl.float16, is_pure=False, pack=1)
         if UPCAST:  # the interpreter: fp32 operands holding the f16 values
             y = y.to(tl.float32)
-        return y
+    else:
+        y = _dequantise_scaled(x, scale_ptr, scale_off, key_ok, MASKED, PER_TOKEN_SCALE, IS_BF16, UPCAST,
+                               OPERAND_BARRIER)
+    return y
+
+
+@triton.jit
+def _dequantise_scaled(x, scale_ptr, scale_off, key_ok, MASKED: tl.constexpr, PER_TOKEN_SCALE: tl.constexpr,
+                       IS_BF16: tl.constexpr, UPCAST: tl.constexpr, OPERAND_BARRIER: tl.constexpr):
+    """[fp8].kv_dequant = "fp32_multiply_round_act": round_act(fl32(fp32(x) * scale)) (``_dequantise``)."""
     if PER_TOKEN_SCALE:
         if MASKED:
             s = tl.load(scale_ptr + scale_off, mask=key_ok, other=0.0)
