@@ -510,8 +510,11 @@ class Backend(abc.ABC):
     def fp8_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor,
                       v_scale: torch.Tensor, meta: AttentionMetadata, *, scale: float) -> torch.Tensor:
         """``attention`` over an FP8 KV cache (as ``fp8_write_kv`` fills it), read through [fp8]'s one
-        read path ``round_act(fl32(fp32(q) * scale))``: the same bits as ``attention`` over the
-        dequantised caches (``hal.fp8.dequantise_kv``), in every phase."""
+        read path in every phase: kv_dequant "fp32_multiply_round_act" reads ``round_act(fl32(fp32(x) *
+        scale))``, the same bits as ``attention`` over the dequantised caches (``hal.fp8.dequantise_kv``);
+        "f16_operands" (fixed scales) reads K and V as exact f16 operands with q and P rounded to f16, the
+        K scale in the score factor and the V scale on the output (the contract's comment; the reference
+        is ``hal.backends.reference.attention.paged_attention(..., fixed_scales=...)``)."""
         raise UnsupportedError(f"backend {self.name!r} does not realise an FP8 KV cache (fp8_attention); use one "
                                f"that does (`hal doctor`)")
 

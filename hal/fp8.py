@@ -238,10 +238,13 @@ class Fp8KVCache:
     ([fp8].kv_scale = "per_token_head") or the model's fixed fp32 scale per layer ("fixed"). ``write``
     quantises each token's K and V per head by the scale rule (from that token-head vector alone, so a
     token's cache bits do not depend on which call wrote it or with whom); the read path that prefill,
-    chunked prefill, decode and training all go through is k = round_act(fl32(fp32(q) * scale)):
-    ``read`` materialises it, ``attention`` asks a backend for attention that reads the cache that way
-    (``Backend.fp8_attention``: the cuda kernel dequantises each K/V tile as it loads it). Unwritten
-    slots read as NaN (fp8 NaN, NaN scale), which [attention].mask keeps out."""
+    chunked prefill, decode and training all go through is [fp8].kv_dequant: under
+    "fp32_multiply_round_act" k = round_act(fl32(fp32(q) * scale)), which ``read`` materialises, and
+    ``attention`` asks a backend for attention that reads the cache that way (``Backend.fp8_attention``:
+    the cuda kernel dequantises each K/V tile as it loads it); under "f16_operands" (fixed scales only)
+    the scales act on the scores and the output, not the elements, so ``read`` gives the cache's values
+    but not the read path's bits, and only ``attention`` realises the rule. Unwritten slots read as NaN
+    (fp8 NaN, NaN scale), which [attention].mask keeps out."""
 
     def __init__(self, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, spec: Fp8,
                  device: torch.device | str = "cpu", fixed_scales: tuple[float, float] = (1.0, 1.0)):
@@ -279,10 +282,12 @@ class Fp8KVCache:
                            lambda x, fixed, spec: self._quantise(x, fixed))
 
     def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """The dequantised (num_pages, P, Hkv, D) K and V caches in the activation dtype: what every
-        phase's attention reads."""
+        """The dequantised (num_pages, P, Hkv, D) K and V caches in the activation dtype: under
+        "fp32_multiply_round_act" what every phase's attention reads; under "f16_operands" the values
+        only (attention there applies the scales after the dots: ``attention``)."""
         return dequantise_kv(self.k, self.k_scale, dtype), dequantise_kv(self.v, self.v_scale, dtype)
 
     def attention(self, backend, q: torch.Tensor, meta, *, scale: float) -> torch.Tensor:
-        """``backend.fp8_attention`` over this cache: the same bits as ``backend.attention`` over ``read(q.dtype)``."""
+        """``backend.fp8_attention`` over this cache: under "fp32_multiply_round_act" the same bits as
+        ``backend.attention`` over ``read(q.dtype)``; under "f16_operands" its own rule (contract)."""
         return backend.fp8_attention(q, self.k, self.v, self.k_scale, self.v_scale, meta, scale=scale)
