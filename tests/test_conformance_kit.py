@@ -56,9 +56,11 @@ MOE_NOT_IN_DENSE = {level: {"moe_route": "unsupported", "moe_experts": "unsuppor
 MOE_NOT_IN_DENSE[6] = {"moe_experts": "unsupported"}
 for _level in (1, 2, 5):
     MOE_NOT_IN_DENSE[_level]["fp8_linear"] = "unsupported"
+for _level in (1, 2, 3, 5):
+    MOE_NOT_IN_DENSE.setdefault(_level, {})["fp8_attention"] = "unsupported"
 for _level in (1, 2):
     MOE_NOT_IN_DENSE[_level]["fp8_moe_experts"] = "unsupported"
-SECTION_OPS = ("moe_route", "moe_experts", "fp8_linear", "fp8_moe_experts")
+SECTION_OPS = ("moe_route", "moe_experts", "fp8_linear", "fp8_moe_experts", "fp8_attention")
 
 
 def test_kit_passes_on_reference_and_writes_both_reports(tmp_path):
@@ -76,7 +78,7 @@ def test_kit_passes_on_reference_and_writes_both_reports(tmp_path):
     assert re.fullmatch(r"[0-9a-f]{64}", header["contract_fingerprint"])
     for level in (1, 2, 5):
         assert {"linear", "rms_norm", "log_softmax", "topk"} <= set(statuses(data, level)), level
-    assert statuses(data, 3) == {"attention": "pass", "decoder block": "pass"}
+    assert statuses(data, 3) == {"attention": "pass", "decoder block": "pass", "fp8_attention": "unsupported"}
     assert statuses(data, 6) == {"contract": "pass", **MOE_NOT_IN_DENSE[6]}
     markdown = (tmp_path / "reference.md").read_text()
     assert "| op | 1. determinism | 2. batch invariance |" in markdown and "**CONFORMS**" in markdown

@@ -16,6 +16,11 @@ implementation-defined (the order inside one reduction chunk, exp/log to a few u
   log_softmax   |err| <= 2**-18 (1 + |x/T| + max|x/T| + |logp|)
   sum, mean     |err| <= (2 log2(block) + blocks + 2) u sum|x|   (mean: / n, + u |mean|)
   topk, write_kv exact
+  fp8_attention against fp64 attention over the values [fp8]'s read path gives (kv_dequant
+                "fp32_multiply_round_act": the dequantised round_act(fl32(fp8 x scale)), and the attention bound
+                as it is; "f16_operands": the exact fp8 x scale, P rounded to f16 (max(r, 2**-10) in the P term)
+                and q to f16 once: a score error eps <= scale max_j sum_d (2**-11 |q_d| + 2**-25) |k_jd| moves the
+                output by at most 3 eps max|v|; f16 subnormal P adds L 2**-24 max|v|)
   moe_route     the fp64 oracle's experts exactly on rows without a near-tie at the k-th choice (gap > 1e-5);
                 weights |err| <= 64 u |w| there
   moe_experts   through each rounding point of [moe]'s expert path (gate/up rounded, SiLU*up rounded, the
@@ -115,6 +120,8 @@ def accuracy_problems(backend: Backend, op: str, size: int, width: int, dtype: t
         return problems
     if op == "fp8_linear":
         return _fp8_linear_problems(backend, size, width, dtype, g)
+    if op == "fp8_attention":
+        return _fp8_attention_problems(backend, size, width, dtype, seed)
     if op == "attention":
         case = AttentionCase(size, 4, 2, width, dtype, seed)
         q, k, v = (t.cpu() for t in case.tensors())
@@ -208,6 +215,34 @@ def accuracy_problems(backend: Backend, op: str, size: int, width: int, dtype: t
     if op in ("moe_route", "moe_experts"):
         return _moe_accuracy_problems(backend, op, size, width, dtype, g)
     raise ValueError(f"no accuracy check for op {op!r}")
+
+
+def _fp8_attention_problems(backend: Backend, size: int, width: int, dtype: torch.dtype, seed: int) -> list:
+    """fp8_attention (one prefill through an FP8 KV cache, ``run_schedule``) within the module docstring's bound."""
+    from hal import fp8
+
+    spec = fp8.spec_of(backend.contract, "the conformance kit's fp8_attention accuracy")
+    case = AttentionCase(size, 4, 2, width, dtype, seed, kv_cache="fp8")
+    q, k, v = (t.cpu() for t in case.tensors())
+    got = run_schedule(backend, case, [size], page_size=16).cpu()
+    one = torch.tensor(1.0)                                  # Fp8KVCache's fixed scales
+    read = []
+    for x in (k, v):
+        xq, xs = fp8.quantise_kv(x, one, spec)
+        read.append(xq.double() if spec.kv_dequant == "f16_operands" else
+                    fp8.dequantise_kv(xq, one if xs is None else xs, dtype).double())
+    kd, vd = read
+    scale = width ** -0.5
+    exact = oracle.attention(q, kd, vd, scale)
+    vmax = vd.abs().max()
+    r = act_rel(dtype)
+    bound = 2 * r * vmax + r * exact.abs() + 256 * U * vmax
+    if spec.kv_dequant == "f16_operands":
+        group = q.shape[1] // kd.shape[1]
+        qerr = 2.0 ** -11 * q.double().abs() + 2.0 ** -25
+        eps = scale * torch.einsum("qhd,khd->hqk", qerr, kd.abs().repeat_interleave(group, 1)).max()
+        bound = bound + 2 * (max(r, 2.0 ** -10) - r) * vmax + 3 * eps * vmax + size * 2.0 ** -24 * vmax
+    return _check(f"fp8_attention L={size} D={width} ({spec.kv_dequant})", got, exact, bound)
 
 
 def _gemm_rel(backend: Backend, k: int) -> float:

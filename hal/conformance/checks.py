@@ -100,12 +100,38 @@ def row_invariance(op_name: str, fn: Callable[[torch.Tensor], torch.Tensor], row
 
 @dataclass
 class AttentionCase:
+    """One sequence's attention inputs. ``kv_cache``: "auto" (a cache in the activation dtype, ``write_kv`` /
+    ``attention``) or "fp8" (``hal.fp8.Fp8KVCache`` under the contract's [fp8]: ``fp8_write_kv`` /
+    ``fp8_attention``, the layer's fixed scales 1.0 where [fp8].kv_scale is "fixed")."""
     seq_len: int
     q_heads: int
     kv_heads: int
     head_dim: int
     dtype: torch.dtype
     seed: int
+    kv_cache: str = "auto"
+
+    def allocate_cache(self, backend: Backend, num_pages: int, page_size: int):
+        if self.kv_cache == "auto":
+            return PagedKVCache.allocate(num_pages, page_size, self.kv_heads, self.head_dim, self.dtype,
+                                         backend.device)
+        if self.kv_cache != "fp8":
+            raise ValueError(f"kv_cache {self.kv_cache!r}: expected 'auto' or 'fp8'")
+        from hal import fp8
+
+        spec = fp8.spec_of(backend.contract, "the conformance kit's FP8 KV cache cells")
+        return fp8.Fp8KVCache(num_pages, page_size, self.kv_heads, self.head_dim, spec, backend.device)
+
+    def write(self, backend: Backend, cache, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        if self.kv_cache == "fp8":
+            cache.write(k, v, slots, backend=backend)
+        else:
+            backend.write_kv(k, v, cache.k, cache.v, slots)
+
+    def attend(self, backend: Backend, cache, q: torch.Tensor, meta) -> torch.Tensor:
+        if self.kv_cache == "fp8":
+            return cache.attention(backend, q, meta, scale=self.head_dim ** -0.5)
+        return backend.attention(q, cache.k, cache.v, meta, scale=self.head_dim ** -0.5)
 
     def tensors(self, device="cpu"):
         g = torch.Generator().manual_seed(self.seed)
@@ -127,11 +153,12 @@ def run_schedule(backend: Backend, case: AttentionCase, steps: list[int], page_s
     q, k, v = case.tensors(device)
     gen = torch.Generator().manual_seed(seed)
     mate_cases = [AttentionCase(int(torch.randint(1, 2 * case.seq_len + 2, (1,), generator=gen)), case.q_heads,
-                                case.kv_heads, case.head_dim, case.dtype, seed * 1000 + i + 1) for i in range(mates)]
+                                case.kv_heads, case.head_dim, case.dtype, seed * 1000 + i + 1, case.kv_cache)
+                  for i in range(mates)]
     mate_tensors = [c.tensors(device) for c in mate_cases]
     total_tokens = case.seq_len + sum(c.seq_len for c in mate_cases)
     num_pages = pages_needed(total_tokens, page_size) + len(mate_cases) + 8
-    cache = PagedKVCache.allocate(num_pages, page_size, case.kv_heads, case.head_dim, case.dtype, device)
+    cache = case.allocate_cache(backend, num_pages, page_size)
     allocator = PageAllocator(num_pages, gen)
     pages = allocator.take(pages_needed(case.seq_len, page_size))
     mate_pages = [allocator.take(pages_needed(c.seq_len, page_size)) for c in mate_cases]
@@ -159,9 +186,9 @@ def run_schedule(backend: Backend, case: AttentionCase, steps: list[int], page_s
                 slots.append(slot_mapping(mate_pages[idx], range(lo, hi), page_size, device))
                 q_lens.append(hi - lo); seq_lens.append(hi); page_lists.append(mate_pages[idx])
                 mate_done[idx] = hi
-        backend.write_kv(torch.cat(k_new), torch.cat(v_new), cache.k, cache.v, torch.cat(slots))
+        case.write(backend, cache, torch.cat(k_new), torch.cat(v_new), torch.cat(slots))
         meta = build_metadata(q_lens, seq_lens, page_lists, device)
-        result = backend.attention(torch.cat(q_parts), cache.k, cache.v, meta, scale=case.head_dim ** -0.5)
+        result = case.attend(backend, cache, torch.cat(q_parts), meta)
         if post is not None:
             result = post(result)
         outputs.append(result[at:at + step])
@@ -202,9 +229,10 @@ def attention_phases(backend: Backend, case: AttentionCase, cuts: list[int], pag
     With ``block`` the compared output is the rest of a decoder block and the token logprobs
     computed on each call's batch (``decoder_block_after_attention``), not the attention output."""
     params = dict(seq_len=case.seq_len, q_heads=case.q_heads, kv_heads=case.kv_heads,
-                  head_dim=case.head_dim, dtype=str(case.dtype).replace("torch.", ""), seed=case.seed)
+                  head_dim=case.head_dim, dtype=str(case.dtype).replace("torch.", ""), seed=case.seed,
+                  kv_cache=case.kv_cache)
     post = decoder_block_after_attention(backend, case) if block else None
-    what = "decoder block" if block else "attention"
+    what = "decoder block" if block else ("fp8_attention" if case.kv_cache == "fp8" else "attention")
 
     def run(steps, page_size, **kw):
         return run_schedule(backend, case, steps, page_size, post=post, **kw)

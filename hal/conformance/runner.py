@@ -37,7 +37,7 @@ OP_OF = {"linear": "linear", "linear+bias": "linear", "linear->fp32 logits": "li
 # The ops only a contract with [moe] covers, those only a contract with [fp8] covers, and those that
 # need both (block-FP8 experts: bf16-moe-fp8-v1).
 MOE_OPS = ("moe_route", "moe_experts")
-FP8_OPS = ("fp8_linear",)
+FP8_OPS = ("fp8_linear", "fp8_attention")
 FP8_MOE_OPS = ("fp8_moe_experts",)
 
 
@@ -63,27 +63,31 @@ def batch_invariance(backend: Backend, row_op: str, width: int, out_features: in
     return row_invariance(row_op, fn, rows, [int(b) for b in batches.split(",")], g)
 
 
-def _case(seq_len, q_heads, kv_heads, head_dim, dtype, seed) -> AttentionCase:
-    return AttentionCase(seq_len, q_heads, kv_heads, head_dim, DTYPES[dtype], seed)
+def _case(seq_len, q_heads, kv_heads, head_dim, dtype, seed, kv_cache="auto") -> AttentionCase:
+    return AttentionCase(seq_len, q_heads, kv_heads, head_dim, DTYPES[dtype], seed, kv_cache)
 
 
 def attention_determinism(backend: Backend, seq_len: int, q_heads: int, kv_heads: int, head_dim: int,
-                          dtype: str, page_size: int, seed: int) -> list:
-    case = _case(seq_len, q_heads, kv_heads, head_dim, dtype, seed)
+                          dtype: str, page_size: int, seed: int, kv_cache: str = "auto") -> list:
+    case = _case(seq_len, q_heads, kv_heads, head_dim, dtype, seed, kv_cache)
     steps = [max(1, seq_len // 2), seq_len - max(1, seq_len // 2)] if seq_len > 1 else [1]
     first = run_schedule(backend, case, steps, page_size, mates=2, seed=seed)
-    m = compare("attention: the same schedule twice", first, run_schedule(backend, case, steps, page_size, mates=2,
+    m = compare(f"{_what(case)}: the same schedule twice", first, run_schedule(backend, case, steps, page_size, mates=2,
                                                                           seed=seed))
     return [m] if m else []
 
 
+def _what(case: AttentionCase) -> str:
+    return "fp8_attention" if case.kv_cache == "fp8" else "attention"
+
+
 def attention_batch_invariance(backend: Backend, seq_len: int, q_heads: int, kv_heads: int, head_dim: int,
-                               dtype: str, page_size: int, mates: int, seed: int) -> list:
-    case = _case(seq_len, q_heads, kv_heads, head_dim, dtype, seed)
+                               dtype: str, page_size: int, mates: int, seed: int, kv_cache: str = "auto") -> list:
+    case = _case(seq_len, q_heads, kv_heads, head_dim, dtype, seed, kv_cache)
     alone = run_schedule(backend, case, [seq_len], page_size)
     problems = []
     for trial in range(2):
-        m = compare("attention: prefill alone vs with batch-mates", alone,
+        m = compare(f"{_what(case)}: prefill alone vs with batch-mates", alone,
                     run_schedule(backend, case, [seq_len], page_size, mates=mates, seed=seed + trial),
                     mates=mates, trial=trial)
         if m:
@@ -92,8 +96,9 @@ def attention_batch_invariance(backend: Backend, seq_len: int, q_heads: int, kv_
 
 
 def phase_consistency(backend: Backend, seq_len: int, q_heads: int, kv_heads: int, head_dim: int, dtype: str,
-                      page_sizes: str, cuts: str, decode_from: int, mates: int, block: int, seed: int) -> list:
-    case = _case(seq_len, q_heads, kv_heads, head_dim, dtype, seed)
+                      page_sizes: str, cuts: str, decode_from: int, mates: int, block: int, seed: int,
+                      kv_cache: str = "auto") -> list:
+    case = _case(seq_len, q_heads, kv_heads, head_dim, dtype, seed, kv_cache)
     return attention_phases(backend, case, [int(c) for c in cuts.split(",") if c],
                             [int(p) for p in page_sizes.split(",")], decode_from, mates=mates, block=bool(block))
 

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hal.conformance.kit import dtypes_for, fit_width, row_op_cases, run_check, run_examples
+from hal.conformance.kit import dtypes_for, fit_width, row_op_cases, run_check, run_examples, skip_unless_in_contract
 from hal.conformance.runner import OP_OF
 
 BATCHES = {"tiny": "1,2,7,16,17,33", "quick": "1,2,7,16,17,33,64,65,129",
@@ -24,13 +24,18 @@ def test_row_op_batch_invariance(hal_backend, hal_depth, op):
     run_examples(hal_backend, check)
 
 
-@pytest.mark.hal(level=2, op="attention")
-def test_attention_batch_invariance(hal_backend, hal_depth):
+@pytest.mark.hal(level=2)
+@pytest.mark.parametrize("op", ["attention", "fp8_attention"])
+def test_attention_batch_invariance(hal_backend, hal_depth, op):
+    """``fp8_attention``: the same through an FP8 KV cache (``fp8_write_kv`` / ``fp8_attention``; [fp8] only)."""
+    skip_unless_in_contract(hal_backend, op)
+
     @given(seq_len=st.sampled_from([1, 2, 63, 64, 65] + ([] if hal_depth == "tiny" else [200])), heads=st.sampled_from([(4, 1), (4, 2), (8, 8)]),
            head_dim=st.sampled_from([64, 128]), page_size=st.sampled_from([16, 64]), mates=st.integers(1, 6),
-           dtype=st.sampled_from(dtypes_for(hal_backend, "attention")), seed=st.integers(0, 2 ** 16))
+           dtype=st.sampled_from(dtypes_for(hal_backend, op)), seed=st.integers(0, 2 ** 16))
     def check(seq_len, heads, head_dim, page_size, mates, dtype, seed):
         run_check("attention_batch_invariance", hal_backend, seq_len=seq_len, q_heads=heads[0], kv_heads=heads[1],
-                  head_dim=head_dim, dtype=dtype, page_size=page_size, mates=mates, seed=seed)
+                  head_dim=head_dim, dtype=dtype, page_size=page_size, mates=mates, seed=seed,
+                  kv_cache="fp8" if op == "fp8_attention" else "auto")
 
     run_examples(hal_backend, check)

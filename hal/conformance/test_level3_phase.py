@@ -7,7 +7,7 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from hal.conformance.kit import dtypes_for, run_check, run_examples
+from hal.conformance.kit import dtypes_for, run_check, run_examples, skip_unless_in_contract
 from hal.conformance.plugin import part_settings
 
 
@@ -27,13 +27,14 @@ def _cuts(seq_len, chunk, split, extra):
 
 
 @pytest.mark.hal(level=3)
-@pytest.mark.parametrize("op", ["attention", "decoder block"])
+@pytest.mark.parametrize("op", ["attention", "fp8_attention", "decoder block"])
 def test_phase_consistency(hal_backend, hal_depth, op, hal_part):
     """``hal_part``: at full depth (or with --hal-parts N) the examples run in parts (separate test ids, so
-    shards spread them)."""
+    shards spread them). ``fp8_attention``: through an FP8 KV cache ([fp8] only): [fp8]'s one read path."""
+    skip_unless_in_contract(hal_backend, op)
     lengths, chunk, split = _lengths(hal_backend, hal_depth)
 
-    dtypes = dtypes_for(hal_backend, "attention")
+    dtypes = dtypes_for(hal_backend, "attention" if op == "decoder block" else op)
     # The decoder block's GEMMs are (4 x hidden, hidden) with hidden = q_heads x head_dim: at tiny depth
     # (kernels run by an interpreter) it keeps hidden <= 256, which still crosses no K chunk anyway;
     # the attention op itself keeps every head layout.
@@ -52,7 +53,7 @@ def test_phase_consistency(hal_backend, hal_depth, op, hal_part):
                   head_dim=head_dim, dtype=dtype, page_sizes="16,5" if tiny else "16,64,5",
                   cuts=_cuts(seq_len, chunk, split, cut % max(seq_len, 1)),
                   decode_from=max(1, seq_len - decode_tokens), mates=1 if tiny else 3,
-                  block=int(op == "decoder block"), seed=seed)
+                  block=int(op == "decoder block"), seed=seed, kv_cache="fp8" if op == "fp8_attention" else "auto")
 
     if hal_depth != "tiny" and hal_part[0] == 0:
         # Every quick run reaches a second KV split (the split merge) at least once, with cuts and decode
