@@ -241,7 +241,7 @@ def test_the_launch_policy_hands_a_tuned_decode_launch_to_the_kernel(cuda, monke
 def test_the_decode_rule_always_picks_a_launch_the_tuner_bit_checks():
     """``attention._decode_launch`` chooses among ``decode_candidates`` (whose bits the tuner and the test
     above check against each other) for every program count, split count, head dim, page and cache format
-    the rule distinguishes; so the rule's choices need no bit check of their own. The negative control: a
+    the rule distinguishes (FP8 caches read either way); so the rule's choices need no bit check of their own. The negative control: a
     launch outside the set (16 warps) is recognised as outside it."""
     from hal.kernels import attention
 
@@ -253,9 +253,9 @@ def test_the_decode_rule_always_picks_a_launch_the_tuner_bit_checks():
         for walkers in (1, 8, 32, 64, 66, 128, 256, 396, 512, 2048):
             for head_dim in (32, 64, 96, 128, 256):
                 for page in (16, 32, 64, 128):
-                    for kv_fp8 in (False, True):
+                    for kv_fp8, f16_operands in ((False, False), (True, False), (False, True)):
                         pick = attention._decode_launch(walkers * max_splits, sms, kv_fp8, max_splits=max_splits,
-                                                        head_dim=head_dim, page=page)
+                                                        head_dim=head_dim, page=page, f16_operands=f16_operands)
                         allowed = {normal(c, max_splits) for c in attention.decode_candidates(max_splits, 4)}
                         assert normal(pick, max_splits) in allowed, (walkers, max_splits, head_dim, page, kv_fp8,
                                                                      pick)

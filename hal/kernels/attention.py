@@ -640,7 +640,8 @@ def _token_rows_descriptor(cache: torch.Tensor, kv_chunk: int):
     return TensorDescriptor(cache, [cdiv(span, rows), rows], [rows, 1], [kv_chunk, cache.shape[3]])
 
 
-def _decode_launch(programs: int, sms: int, kv_fp8: bool, *, max_splits: int, head_dim: int, page: int) -> dict:
+def _decode_launch(programs: int, sms: int, kv_fp8: bool, *, max_splits: int, head_dim: int, page: int,
+                   f16_operands: bool = False) -> dict:
     """The decode launch (parallel or walked splits, splits per program, warps, stages, register cap; one
     program per GQA group) from the number of one-split programs, the multiprocessors, the block table's
     splits, the head dim, the page size and the cache's format. Always one of ``decode_candidates``, so ``hal tune``'s bit
@@ -671,6 +672,13 @@ def _decode_launch(programs: int, sms: int, kv_fp8: bool, *, max_splits: int, he
     The earlier rule (H200, sessions 3-7; head dims over 128 keep it): one split a program, 5 stages, no
     cap; two splits a program in the partial-wave band (3-4 programs a multiprocessor: 1.17-1.27x) and over
     16 a multiprocessor (a vLLM decode step of 256 sequences: 142.5 against 156.4 us).
+
+    FP8 caches read as f16 operands (bf16-fp8-v2; ``kv_fp8`` False, ``f16_operands`` True): the bf16 rule, since
+    the chunk loop is the bf16 loop's size, except where it walks the splits with at most one walker a
+    multiprocessor: the bf16 kernel walks at the HBM's speed there (3.1 TB/s on an H100), the f16-operand one
+    reaches about 2 TB/s and needs more programs: four parallel splits a program, 1.32x the walk at B = 16 x 16k
+    keys (32/8 heads, 64-key pages) and B = 16 x 8k (40/8, 32-key pages) on an H100, bitwise equal
+    (bench/results/h100-2026-12-07-fp8kv-v2/, measured as explicit launches; the rule itself not re-run).
 
     FP8 caches, once the programs fill the GPU (more one-split programs than multiprocessors): one split,
     at most 128 registers a thread and 3 stages, so that four programs (16 warps) share a multiprocessor
@@ -703,6 +711,8 @@ def _decode_launch(programs: int, sms: int, kv_fp8: bool, *, max_splits: int, he
             return dict(parallel, splits_per_program=4, **capped)
     elif not kv_fp8 and head_dim <= 128:
         if programs > 8 * sms and walkers >= 64:
+            if f16_operands and walkers <= sms:
+                return dict(parallel, splits_per_program=4, num_stages=5, maxnreg=0)
             return dict(walk, num_stages=5, maxnreg=0)
         if programs > sms:
             return dict(parallel, num_stages=2, maxnreg=128)
@@ -794,7 +804,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         # f16 operands make the FP8 cache's loop the bf16 cache's size: the bf16 launch rule
         decode = {**_decode_launch(num_seqs * kv_heads * max_splits, policy.multiprocessors(q.device),
                                    kv_fp8 and not f16_operands,
-                                   max_splits=max_splits, head_dim=head_dim, page=page),
+                                   max_splits=max_splits, head_dim=head_dim, page=page, f16_operands=f16_operands),
                   **(policy.decode_launch(tokens, num_seqs, context, q_heads, kv_heads, head_dim, page, q.dtype,
                                           k_cache.dtype, spec) or {})}
     head_split = head_split or decode.get("head_split") or shape["head_split"]
