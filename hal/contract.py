@@ -330,7 +330,7 @@ class Fp8:
                                   "scale)), then [attention] unchanged. f16_operands (kv_scale fixed only): K and V "
                                   "enter the dots as f16 (exact for e4m3 and e5m2), q is rounded to f16, the scores "
                                   "take fl32(score_factor * k_scale), P is rounded to f16 (for P @ V and the row sum), "
-                                  "and out = round_act(fl32(fl32(A / L) * v_scale)) (hal.fp8.F16_OPERANDS_RULE)")
+                                  "and out = round_act(fl32(fl32(A / L) * v_scale)) (hal/backends/reference/attention.py)")
 
     # The rules derived from these values, written once for every backend and the kit.
 

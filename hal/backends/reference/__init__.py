@@ -222,8 +222,9 @@ class ReferenceBackend(Backend):
     def fp8_attention(self, q, k_cache, v_cache, k_scale, v_scale, meta: AttentionMetadata, *, scale):
         # fp32_multiply_round_act: the read path materialised, then the contract's attention; f16_operands: the
         # contract's attention on f16 operands, the fixed scales on the scores and the output. Exact by
-        # construction either way. Only the pages the block table names are read (a vLLM engine's cache is mostly pages of other requests, or none);
-        # the table is renumbered to them, so every key meets the same dequantised values.
+        # construction either way. Only the pages the block table names are read (a vLLM engine's cache is
+        # mostly pages of other requests, or none); the table is renumbered to them, so every key meets the
+        # same values.
         pages = torch.unique(meta.block_table.long())
         table = torch.searchsorted(pages, meta.block_table.long()).to(meta.block_table.dtype)
         renumbered = AttentionMetadata(meta.query_start_loc, meta.seq_lens, table)
