@@ -12,9 +12,10 @@ Properties, on the reference backend and on the cuda kernels under Triton's inte
   * a model with ``kv_cache_dtype "fp8"`` trains on the rollout's bits.
 Negative controls: a K or a V scale 1/64 larger gives other bits (both scales reach the output); v1's read
 rule over the same cache gives other bits (the f16 rule is the one taken); scales calibrated from the first
-write call make a token's bits depend on where its prompt was cut (why the contract's scales are fixed). The dots involved are the
-interpreter's numpy sums over exact f16 values and the reference's correctly rounded ones: no host BLAS
-decides a control. The GPU side (bits and speed): bench/fp8_kv_gpu.py, bench/decode_launch_gpu.py.
+write call make a token's bits depend on where its prompt was cut (why the contract's scales are fixed). The
+dots involved are the interpreter's numpy sums over exact f16 values and the reference's correctly rounded
+ones: no host BLAS decides a control. The GPU side (bits and speed): bench/fp8_kv_f16_gpu.py
+(bench/results/h100-2026-12-07-fp8kv-v2/).
 """
 
 from __future__ import annotations
