@@ -241,8 +241,8 @@ def test_the_launch_policy_hands_a_tuned_decode_launch_to_the_kernel(cuda, monke
 def test_the_decode_rule_always_picks_a_launch_the_tuner_bit_checks():
     """``attention._decode_launch`` chooses among ``decode_candidates`` (whose bits the tuner and the test
     above check against each other) for every program count, split count, head dim, page and cache format
-    the rule distinguishes (FP8 caches read either way); so the rule's choices need no bit check of their own. The negative control: a
-    launch outside the set (16 warps) is recognised as outside it."""
+    the rule distinguishes (FP8 caches read either way); so the rule's choices need no bit check of their own.
+    The negative control: a launch outside the set (16 warps) is recognised as outside it."""
     from hal.kernels import attention
 
     def normal(config, max_splits=4):

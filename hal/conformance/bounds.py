@@ -127,8 +127,7 @@ def accuracy_problems(backend: Backend, op: str, size: int, width: int, dtype: t
         q, k, v = (t.cpu() for t in case.tensors())
         got = run_schedule(backend, case, [size], page_size=16).cpu()
         exact = oracle.attention(q, k, v, width ** -0.5)
-        vmax = v.double().abs().max()
-        return _check(f"attention L={size} D={width}", got, exact, 2 * r * vmax + r * exact.abs() + 256 * U * vmax)
+        return _check(f"attention L={size} D={width}", got, exact, _attention_bound(r, v.double().abs().max(), exact))
     if op == "rms_norm":
         x, w, res = rand(size, width), rand(width), rand(size, width)
         problems = []
@@ -217,6 +216,11 @@ def accuracy_problems(backend: Backend, op: str, size: int, width: int, dtype: t
     raise ValueError(f"no accuracy check for op {op!r}")
 
 
+def _attention_bound(r: float, vmax: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+    """The attention bound of the module docstring: P's rounding, the output's, fp32 steps."""
+    return 2 * r * vmax + r * exact.abs() + 256 * U * vmax
+
+
 def _fp8_attention_problems(backend: Backend, size: int, width: int, dtype: torch.dtype, seed: int) -> list:
     """fp8_attention (one prefill through an FP8 KV cache, ``run_schedule``) within the module docstring's bound."""
     from hal import fp8
@@ -236,7 +240,7 @@ def _fp8_attention_problems(backend: Backend, size: int, width: int, dtype: torc
     exact = oracle.attention(q, kd, vd, scale)
     vmax = vd.abs().max()
     r = act_rel(dtype)
-    bound = 2 * r * vmax + r * exact.abs() + 256 * U * vmax
+    bound = _attention_bound(r, vmax, exact)
     if spec.kv_dequant == "f16_operands":
         group = q.shape[1] // kd.shape[1]
         qerr = 2.0 ** -11 * q.double().abs() + 2.0 ** -25

@@ -111,6 +111,11 @@ class AttentionCase:
     seed: int
     kv_cache: str = "auto"
 
+    @property
+    def op(self) -> str:
+        """The kit's op (report row) this case exercises."""
+        return "fp8_attention" if self.kv_cache == "fp8" else "attention"
+
     def allocate_cache(self, backend: Backend, num_pages: int, page_size: int):
         if self.kv_cache == "auto":
             return PagedKVCache.allocate(num_pages, page_size, self.kv_heads, self.head_dim, self.dtype,
@@ -232,7 +237,7 @@ def attention_phases(backend: Backend, case: AttentionCase, cuts: list[int], pag
                   head_dim=case.head_dim, dtype=str(case.dtype).replace("torch.", ""), seed=case.seed,
                   kv_cache=case.kv_cache)
     post = decoder_block_after_attention(backend, case) if block else None
-    what = "decoder block" if block else ("fp8_attention" if case.kv_cache == "fp8" else "attention")
+    what = "decoder block" if block else case.op
 
     def run(steps, page_size, **kw):
         return run_schedule(backend, case, steps, page_size, post=post, **kw)

@@ -45,6 +45,11 @@ def skip_unless_in_contract(backend, op: str) -> None:
                         f"for these ops)")
 
 
+def kv_cache_of(op: str) -> str:
+    """The KV cache an attention op of the kit writes and reads (``checks.AttentionCase.kv_cache``)."""
+    return "fp8" if op == "fp8_attention" else "auto"
+
+
 def row_op_cases(backend, depth: str, op: str) -> dict:
     """Hypothesis strategies for the row functions of ``op`` (``checks.op_row_functions``): which
     variant, row width, output features (GEMM), dtype and seed."""

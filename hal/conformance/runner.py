@@ -72,13 +72,9 @@ def attention_determinism(backend: Backend, seq_len: int, q_heads: int, kv_heads
     case = _case(seq_len, q_heads, kv_heads, head_dim, dtype, seed, kv_cache)
     steps = [max(1, seq_len // 2), seq_len - max(1, seq_len // 2)] if seq_len > 1 else [1]
     first = run_schedule(backend, case, steps, page_size, mates=2, seed=seed)
-    m = compare(f"{_what(case)}: the same schedule twice", first, run_schedule(backend, case, steps, page_size, mates=2,
-                                                                          seed=seed))
+    again = run_schedule(backend, case, steps, page_size, mates=2, seed=seed)
+    m = compare(f"{case.op}: the same schedule twice", first, again)
     return [m] if m else []
-
-
-def _what(case: AttentionCase) -> str:
-    return "fp8_attention" if case.kv_cache == "fp8" else "attention"
 
 
 def attention_batch_invariance(backend: Backend, seq_len: int, q_heads: int, kv_heads: int, head_dim: int,
@@ -87,7 +83,7 @@ def attention_batch_invariance(backend: Backend, seq_len: int, q_heads: int, kv_
     alone = run_schedule(backend, case, [seq_len], page_size)
     problems = []
     for trial in range(2):
-        m = compare(f"{_what(case)}: prefill alone vs with batch-mates", alone,
+        m = compare(f"{case.op}: prefill alone vs with batch-mates", alone,
                     run_schedule(backend, case, [seq_len], page_size, mates=mates, seed=seed + trial),
                     mates=mates, trial=trial)
         if m:

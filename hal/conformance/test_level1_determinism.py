@@ -4,7 +4,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hal.conformance.kit import dtypes_for, fit_width, row_op_cases, run_check, run_examples, skip_unless_in_contract
+from hal.conformance.kit import (dtypes_for, fit_width, kv_cache_of, row_op_cases, run_check, run_examples,
+                                 skip_unless_in_contract)
 from hal.conformance.runner import OP_OF
 
 
@@ -31,6 +32,6 @@ def test_attention_determinism(hal_backend, hal_depth, op):
     def check(seq_len, heads, head_dim, page_size, dtype, seed):
         run_check("attention_determinism", hal_backend, seq_len=seq_len, q_heads=heads[0], kv_heads=heads[1],
                   head_dim=head_dim, dtype=dtype, page_size=page_size, seed=seed,
-                  kv_cache="fp8" if op == "fp8_attention" else "auto")
+                  kv_cache=kv_cache_of(op))
 
     run_examples(hal_backend, check)

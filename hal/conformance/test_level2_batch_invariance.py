@@ -5,7 +5,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hal.conformance.kit import dtypes_for, fit_width, row_op_cases, run_check, run_examples, skip_unless_in_contract
+from hal.conformance.kit import (dtypes_for, fit_width, kv_cache_of, row_op_cases, run_check, run_examples,
+                                 skip_unless_in_contract)
 from hal.conformance.runner import OP_OF
 
 BATCHES = {"tiny": "1,2,7,16,17,33", "quick": "1,2,7,16,17,33,64,65,129",
@@ -36,6 +37,6 @@ def test_attention_batch_invariance(hal_backend, hal_depth, op):
     def check(seq_len, heads, head_dim, page_size, mates, dtype, seed):
         run_check("attention_batch_invariance", hal_backend, seq_len=seq_len, q_heads=heads[0], kv_heads=heads[1],
                   head_dim=head_dim, dtype=dtype, page_size=page_size, mates=mates, seed=seed,
-                  kv_cache="fp8" if op == "fp8_attention" else "auto")
+                  kv_cache=kv_cache_of(op))
 
     run_examples(hal_backend, check)

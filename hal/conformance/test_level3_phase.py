@@ -7,7 +7,7 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from hal.conformance.kit import dtypes_for, run_check, run_examples, skip_unless_in_contract
+from hal.conformance.kit import dtypes_for, kv_cache_of, run_check, run_examples, skip_unless_in_contract
 from hal.conformance.plugin import part_settings
 
 
@@ -53,7 +53,7 @@ def test_phase_consistency(hal_backend, hal_depth, op, hal_part):
                   head_dim=head_dim, dtype=dtype, page_sizes="16,5" if tiny else "16,64,5",
                   cuts=_cuts(seq_len, chunk, split, cut % max(seq_len, 1)),
                   decode_from=max(1, seq_len - decode_tokens), mates=1 if tiny else 3,
-                  block=int(op == "decoder block"), seed=seed, kv_cache="fp8" if op == "fp8_attention" else "auto")
+                  block=int(op == "decoder block"), seed=seed, kv_cache=kv_cache_of(op))
 
     if hal_depth != "tiny" and hal_part[0] == 0:
         # Every quick run reaches a second KV split (the split merge) at least once, with cuts and decode

@@ -14,7 +14,8 @@ OPS = ["linear", "attention", "write_kv", "rms_norm", "silu_mul", "rotary", "log
 @pytest.mark.parametrize("op", OPS)
 def test_accuracy(hal_backend, hal_depth, op):
     skip_unless_in_contract(hal_backend, op)
-    width_strategy = st.sampled_from([64, 128]) if op in ("attention", "write_kv", "fp8_attention") else widths(hal_depth)
+    head_dim_op = op in ("attention", "write_kv", "fp8_attention")     # width is a head dim
+    width_strategy = st.sampled_from([64, 128]) if head_dim_op else widths(hal_depth)
 
     @given(size=st.sampled_from([1, 3, 17] + ([] if hal_depth == "tiny" else [65])), width=width_strategy,
            dtype=st.sampled_from(dtypes_for(hal_backend, op)), seed=st.integers(0, 2 ** 16))
