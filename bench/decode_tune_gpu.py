@@ -82,6 +82,9 @@ def main(argv=None) -> int:
     parser.add_argument("--max-keys", type=int, default=2 ** 19, help="largest B x context")
     parser.add_argument("--budget-s", type=float, default=420)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--contract", default=None,
+                        help="the contract (default: bf16-fp8-v1 with an e4m3 cache, else bf16-dense-v1); "
+                             "bf16-fp8-v2 tunes its f16-operand FP8 read")
     parser.add_argument("--json", required=True)
     parser.add_argument("--cache", required=True, help="the tuning cache to write")
     args = parser.parse_args(argv)
@@ -90,7 +93,7 @@ def main(argv=None) -> int:
         return 2
     import triton
 
-    contract = "bf16-fp8-v1" if "e4m3" in args.kv_cache else "bf16-dense-v1"
+    contract = args.contract or ("bf16-fp8-v1" if "e4m3" in args.kv_cache else "bf16-dense-v1")
     backend = create_backend("cuda", contract)
     device = torch.cuda.get_device_name()
     cache = tuning.TuneCache(device, triton.__version__)

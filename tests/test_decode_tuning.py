@@ -197,6 +197,26 @@ def test_decode_tuner_times_fp8_caches_by_the_contract_write_rule(cuda):
     assert cache.config(key) == attention.decode_candidates(2, 2)[-1]
 
 
+@pytest.mark.parametrize("contract, f16_operands", [("bf16-fp8-v1", False), ("bf16-fp8-v2", True)])
+def test_decode_tuner_reads_fp8_caches_by_the_contract_read_rule(cuda, monkeypatch, contract, f16_operands):
+    """Every launch the tuner times or bit-checks reads the FP8 cache by the contract's [fp8].kv_dequant:
+    bf16-fp8-v2's f16 operands (other bits than v1's read), v1's dequantised tiles (the control)."""
+    from hal.kernels import attention, tuning
+
+    spec = load_contract(contract)
+    seen = []
+    real = attention.paged_attention
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs.get("f16_operands", False))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "paged_attention", recording)
+    tuning.tune_decode([(1, 600, 2, 1, 16, 16, "e4m3")], spec.attention, fp8=spec.fp8, device="cpu",
+                       cache=tuning.TuneCache("cpu (interpreter)", "x"), timer=lambda fn: (fn(), 1.0)[1], progress=None)
+    assert seen and set(seen) == {f16_operands}
+
+
 def test_the_launch_policy_hands_a_tuned_decode_launch_to_the_kernel(cuda, monkeypatch):
     """A tuning cache entry for the call's shape class reaches the kernel's launch (grid and meta-parameters);
     the call's own overrides replace it; a prefill-shaped call never asks. The bits stay the rule's."""
