@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (the `device` tool), from the repository root:
 #   bash bench/h200.sh STEP...     steps: equal tile kit-quick kit-full negative model prefill bench sweep profile digest
-#                                  host family fp8 fp8sm90 prefill-launch fp8moe fp8kv fp8kv-f16 decode-launch decode-tune moe vllm-part
+#                                  host family fp8 fp8sm90 prefill-launch fp8moe fp8kv fp8kv-f16 gemm-split decode-launch decode-tune moe vllm-part
 #                                  vllm vllm-moe grpo
 #                                  (default: equal tile kit-quick negative model bench)
 # Installs this checkout (and the carried stevedore wheel in .whl/) into /tmp/site, then runs
@@ -32,6 +32,7 @@
 #   FP8MOE_ARGS    fp8_moe_gpu.py's arguments for `fp8moe` (default "--model"); FP8MOE_KIT=0 skips its kit cells
 #   PREFILL_LAUNCH_ARGS prefill_launch_gpu.py's arguments for `prefill-launch` (e.g. "--budget-s 120")
 #   FP8KV_F16_ARGS fp8_kv_f16_gpu.py's arguments for `fp8kv-f16` (e.g. "--only bits --budget-s 120")
+#   GEMM_SPLIT_ARGS gemm_split_gpu.py's arguments for `gemm-split` (e.g. "--ms 1,16 --budget-s 120")
 #   DECODE_LAUNCH_ARGS  decode_launch_gpu.py's arguments for `decode-launch` (e.g. --variants default,spp2)
 #   DECODE_TUNE_ARGS    decode_tune_gpu.py's arguments for `decode-tune` (e.g. "--heads 32/8/128 --budget-s 300");
 #                  with the vLLM bundle unpacked, vLLM's FlashAttention-3 is timed beside SDPA
@@ -165,6 +166,9 @@ for step in $steps; do
     fp8kv-f16) # bf16-fp8-v2's f16-operand FP8 KV read: launch / phase bit checks, decode speed vs the bf16 cache (FP8KV_F16_ARGS)
            python3 "$repo/bench/fp8_kv_f16_gpu.py" ${FP8KV_F16_ARGS:-} --json "$out/fp8_kv_f16_gpu.json" > "$out/fp8_kv_f16_gpu.log" 2>&1 || status=1
            tail -n 40 "$out/fp8_kv_f16_gpu.log" ;;
+    gemm-split) # split-K for narrow weight-read-bound GEMMs (bench/gemm_split_gpu.py): bits vs the direct launch, speed vs cuBLAS
+           python3 "$repo/bench/gemm_split_gpu.py" ${GEMM_SPLIT_ARGS:-} --json "$out/gemm_split.json" > "$out/gemm_split.log" 2>&1 || status=1
+           tail -n 12 "$out/gemm_split.log" ;;
     decode-launch) # decode attention's launch choices (register caps, stages, splits) over bf16 and FP8 caches
            python3 "$repo/bench/decode_launch_gpu.py" ${DECODE_LAUNCH_ARGS:-} --json "$out/decode_launch.json" > "$out/decode_launch.log" 2>&1 || status=1
            tail -n 60 "$out/decode_launch.log" ;;

@@ -63,7 +63,8 @@ def test_gemm_launch_shapes_give_the_same_bits_and_match_the_reference(cuda, ref
         # BLOCK_K stays fixed here: the interpreter's dot adds a whole BLOCK_K-wide numpy product to
         # the accumulator, so unlike the GPU's MMA (k16 steps) its bits depend on BLOCK_K.
         outs = [gemm.linear(x, w, b, torch.float32, _gemm_spec(512), cfg, policy=CUDA_LAUNCH) for cfg in (
-            dict(split=False), dict(split=True), dict(BLOCK_M=32, BLOCK_N=16, split=False))]
+            dict(split=False), dict(split=True), dict(split=True, chunks_per_program=2),
+            dict(BLOCK_M=32, BLOCK_N=16, split=False))]
         assert all(torch.equal(outs[0], o) for o in outs[1:]), "launch shape changed the bits"
         other_chunk = gemm.linear(x, w, b, torch.float32, _gemm_spec(256), dict(split=False), policy=CUDA_LAUNCH)
         assert not torch.equal(outs[0], other_chunk), "k_chunk does not reach the kernel"

@@ -1,5 +1,6 @@
-"""The GEMM launch table's wave rule (hal/kernels/gemm.py ``_config`` above 64 rows): launch choices never
-change the bits (tests/test_cuda_interpreter.py checks the candidate set), so this checks only the choice."""
+"""The GEMM launch table's rules (hal/kernels/gemm.py ``_config``: the wave rule above 64 rows, split-K for narrow
+weight-read-bound GEMMs at M <= 16): launch choices never change the bits (tests/test_cuda_interpreter.py checks
+the candidate set and the split launches), so this checks only the choice."""
 
 from __future__ import annotations
 
@@ -47,3 +48,42 @@ def test_the_choice_is_the_least_estimated_time(spec, monkeypatch):
 
 def test_without_a_multiprocessor_count_the_largest_tile(spec, monkeypatch):
     assert _tile(spec, 1024, 5120, monkeypatch, sms=0) == (128, 256)
+
+
+def _config(spec, m, n, k, monkeypatch, sms=H200_SMS):
+    monkeypatch.setattr(gemm, "INTERPRET", False)
+    return gemm._config(m, n, k, spec, True, sms)
+
+
+def _programs(spec, cfg, m, n, k):
+    splits = -(-spec.chunk_count(k) // cfg["chunks_per_program"]) if cfg["split"] else 1
+    return -(-m // cfg["BLOCK_M"]) * -(-n // cfg["BLOCK_N"]) * splits
+
+
+@pytest.mark.parametrize("n, k", [(1536, 8960), (896, 4864), (2048, 11008), (2048, 6144), (2560, 9728), (1024, 3072)])
+@pytest.mark.parametrize("m", [1, 16])
+def test_narrow_deep_weight_streams_split_k_over_every_multiprocessor(spec, monkeypatch, m, n, k):
+    cfg = _config(spec, m, n, k, monkeypatch)
+    assert cfg["split"] and not cfg["tma"]
+    direct = dict(cfg, split=False, chunks_per_program=1, BLOCK_N=32 if -(-n // 32) <= 2 * H200_SMS else 64)
+    # more programs than the direct grid, within one wave
+    assert _programs(spec, direct, m, n, k) < _programs(spec, cfg, m, n, k) <= H200_SMS
+    # the fewest chunks per program that stay within the wave
+    if cfg["chunks_per_program"] > 1:
+        fewer = dict(cfg, chunks_per_program=cfg["chunks_per_program"] - 1)
+        assert _programs(spec, fewer, m, n, k) > H200_SMS
+
+
+@pytest.mark.parametrize("m, n, k", [
+    (1, 4096, 4096),      # 128 direct programs already fill the GPU
+    (16, 3584, 18944),    # 112 of 132
+    (1, 896, 512),        # one chunk: nothing to split
+    (1, 151936, 2048),    # the logits: thousands of tiles
+    (32, 1536, 8960),     # more rows: the TMA tiles' table (the split would not read by descriptor)
+])
+def test_no_split_where_the_direct_grid_fills_the_gpu_or_k_is_one_chunk(spec, monkeypatch, m, n, k):
+    assert not _config(spec, m, n, k, monkeypatch)["split"]
+
+
+def test_without_a_multiprocessor_count_no_split(spec, monkeypatch):
+    assert not _config(spec, 1, 1536, 8960, monkeypatch, sms=0)["split"]

@@ -128,8 +128,10 @@ def _config(m: int, n: int, k: int, spec: Gemm, tma: bool, sms: int) -> dict:
     if m <= 16:
         # Weight-read bound: thin N tiles (enough programs for every multiprocessor), a deep K pipeline.
         if one_wave_of_32:
-            return dict(base, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=4)
-        return dict(base, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=5)
+            direct = dict(base, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=4)
+        else:
+            direct = dict(base, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=5)
+        return _weight_stream_split(n, chunks, sms, direct) or direct
     if m <= 32 and tma and not wide:
         # 32-row tiles: a 64-row tile for 17..32 rows is half padding. `hal tune` on the H200 chose these
         # for every M = 32 linear of Qwen2.5-32B, 1.15-1.90x faster than the 64-row rule below
@@ -156,6 +158,38 @@ def _config(m: int, n: int, k: int, spec: Gemm, tma: bool, sms: int) -> dict:
     if sms <= 0:      # a policy that knows no multiprocessor count: the largest tile
         return dict(base, **_WAVE_TILES[0][0])
     return dict(base, **min(_WAVE_TILES, key=lambda t: _wave_cost(t, m, n, sms))[0])
+
+
+# Split-K tiles for few rows (BLOCK_N, BLOCK_K, warps, stages): what `hal tune` chose on the H200 where the split
+# won (bench/results/h200-2026-12-02-session8/call9-hal-tune/: N = 2048-4096 at M = 1 and 16).
+_SPLIT_TILES = ((128, 128, 4, 4), (64, 256, 4, 3))
+
+
+def _weight_stream_split(n: int, chunks: int, sms: int, direct: dict) -> dict | None:
+    """Split-K for a weight-read-bound GEMM (M <= 16) whose direct grid leaves a quarter or more of the
+    multiprocessors idle: narrow N over deep K, the down projections of small models (N = 896-2560,
+    K = 4864-11008: 0.58-0.80x cuBLAS in session 13's family sweep, one program per 32 or 64 columns streaming
+    all of K). Splitting K over chunk ranges puts every multiprocessor on the weight; each program stores its
+    chunks' sums and ``_combine_kernel`` adds them in ascending order, the contract's sum (the split launch is
+    bit-identical to the direct one: tests/test_cuda_interpreter.py, bench/tile_freedom.py). The chunk sums cost
+    M x N x chunks x 8 bytes of traffic, at M <= 16 an eighth of the weight's or less. Among ``_SPLIT_TILES`` the
+    launch with the most programs within one wave, each program taking the fewest chunks that keep it there;
+    None where the direct grid already fills three quarters of the GPU, K is one chunk, or no split fits a wave."""
+    direct_programs = cdiv(n, direct["BLOCK_N"])
+    if chunks < 2 or sms <= 0 or 4 * direct_programs >= 3 * sms:
+        return None
+    best, best_programs = None, direct_programs
+    for block_n, block_k, warps, stages in _SPLIT_TILES:
+        tiles = cdiv(n, block_n)
+        if tiles > sms:
+            continue
+        per_program = next(c for c in range(1, chunks + 1) if tiles * cdiv(chunks, c) <= sms)
+        programs = tiles * cdiv(chunks, per_program)
+        if programs > best_programs:
+            best_programs = programs
+            best = dict(direct, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages, split=True,
+                        chunks_per_program=per_program)
+    return best
 
 
 # (configuration, programs per multiprocessor, MMA rate per multiprocessor relative to 128 x 256) of the tiles

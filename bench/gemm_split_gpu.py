@@ -1,0 +1,129 @@
+"""Split-K for narrow, weight-read-bound GEMMs on the GPU (issue #20): the table's split rule
+(``gemm._weight_stream_split``, M <= 16) and split launches at more rows, each checked bitwise against the
+direct launch and timed against it and cuBLAS.
+
+Cells: every linear of the family sweep's models (bench/family_sweep.py ``MODELS``) whose direct grid at few rows
+leaves a quarter or more of the GPU idle (N <= 3/4 x SMs x 32 columns) and whose K has two or more chunks, at
+M in --ms. Per cell:
+
+  direct   the table's launch without the split (the launch before the rule; at M > 16 the table's own launch)
+  rule     ``backend.linear`` as it runs now (at M <= 16 the split where the rule takes it)
+  splitN   split launches at 16 / 32 / 64 rows a tile (BLOCK_N 64 or 128, the rule's chunks per program for that
+           tile), for the M > 16 cells the rule does not cover yet: data for a rule there
+  cuBLAS   ``F.linear``
+
+Every launch must give the direct launch's bits (torch.equal): a launch choice never changes them. Times are
+device times under CUDA-graph replay (family_sweep's ``graph_ms``, inputs rotating past the L2). Ratios are
+cuBLAS / ours. Exit status 1 if any launch differs.
+
+    python3 bench/gemm_split_gpu.py --json gemm_split.json [--ms 1,4,16,32,64] [--budget-s 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from bench_cuda import copies                                    # noqa: E402
+from family_sweep import MODELS, graph_ms, linears, log          # noqa: E402
+from hal.api import create_backend                              # noqa: E402
+from hal.kernels import gemm                                    # noqa: E402
+from hal.kernels.common import cdiv                             # noqa: E402
+
+
+def cells(ms: list[int], sms: int, k_chunk: int) -> list[tuple[int, int, int, list[str]]]:
+    shapes: dict[tuple[int, int], list[str]] = {}
+    for model, cfg in MODELS.items():
+        for name, n, k in linears(*cfg):
+            if name != "lm_head" and 4 * cdiv(n, 32) < 3 * sms and k > k_chunk:
+                shapes.setdefault((n, k), []).append(f"{model}.{name}")
+    return [(m, n, k, layers) for (n, k), layers in sorted(shapes.items()) for m in ms]
+
+
+def split_variants(m: int, n: int, k: int, spec, sms: int) -> dict[str, dict]:
+    """Split launches with 16 / 32 / 64-row tiles (pointer loads) and 64 / 128 columns, each program taking the
+    fewest chunks that keep the grid within one wave."""
+    chunks = spec.chunk_count(k)
+    out = {}
+    for block_m, block_n, block_k, warps, stages in ((16, 64, 256, 4, 3), (16, 128, 128, 4, 4), (32, 64, 128, 4, 4),
+                                                     (32, 128, 128, 4, 4), (64, 64, 128, 4, 4), (64, 128, 64, 4, 4)):
+        if block_m < min(m, 64) or block_m > max(16, 2 * m):
+            continue
+        tiles = cdiv(m, block_m) * cdiv(n, block_n)
+        per = next((c for c in range(1, chunks + 1) if tiles * cdiv(chunks, c) <= sms), chunks)
+        out[f"split{block_m}x{block_n}c{per}"] = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                                                     num_warps=warps, num_stages=stages, GROUP_M=1, split=True,
+                                                     chunks_per_program=per, tma=False)
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ms", default="1,4,16,32,64")
+    parser.add_argument("--budget-s", type=float, default=240)
+    parser.add_argument("--json", required=True)
+    args = parser.parse_args(argv)
+    backend = create_backend("cuda", "bf16-dense-v1")
+    spec = backend.contract.gemm
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    todo = cells([int(m) for m in args.ms.split(",")], sms, spec.k_chunk)
+    log(f"{len(todo)} cells on {torch.cuda.get_device_name()} ({sms} SMs), budget {args.budget_s:.0f} s")
+    rows, failures, t0 = [], 0, time.time()
+    for m, n, k, layers in todo:
+        if time.time() - t0 > args.budget_s:
+            log(f"budget reached after {len(rows)} of {len(todo)} cells")
+            break
+        sets = [(torch.randn(m, k, device="cuda", dtype=torch.bfloat16),
+                 (torch.randn(n, k, device="cuda") * k ** -0.5).to(torch.bfloat16))
+                for _ in range(copies(n * k * 2 + m * k * 2))]
+        table = gemm._config(m, n, k, spec, gemm._tma_ok(sets[0][0]) and gemm._tma_ok(sets[0][1]), sms)
+        direct_cfg = dict(table, split=False, chunks_per_program=1)
+        if table["split"]:      # the rule's split: the direct launch is the table's tile before the rule
+            one_wave_of_32 = cdiv(n, 32) <= 2 * sms
+            direct_cfg.update(BLOCK_N=32 if one_wave_of_32 else 64, BLOCK_K=256 if one_wave_of_32 else 128,
+                              num_stages=4 if one_wave_of_32 else 5)
+        launches = {"direct": direct_cfg, "rule": None, **split_variants(m, n, k, spec, sms)}
+        x0, w0 = sets[0]
+        want = gemm.linear(x0, w0, None, torch.bfloat16, spec, direct_cfg, policy=backend._launch)
+        row = dict(m=m, n=n, k=k, layers=layers, rule=dict(split=table["split"], BLOCK_N=table["BLOCK_N"],
+                                                          chunks_per_program=table["chunks_per_program"]),
+                   cublas_ms=graph_ms([lambda x=x, w=w: F.linear(x, w) for x, w in sets]), ms={}, same_bits={})
+        for name, cfg in launches.items():
+            if cfg is None:
+                got = backend.linear(x0, w0)
+                calls = [lambda x=x, w=w: backend.linear(x, w) for x, w in sets]
+            else:
+                got = gemm.linear(x0, w0, None, torch.bfloat16, spec, cfg, policy=backend._launch)
+                calls = [lambda x=x, w=w, cfg=cfg: gemm.linear(x, w, None, torch.bfloat16, spec, cfg,
+                                                               policy=backend._launch) for x, w in sets]
+            row["same_bits"][name] = bool(torch.equal(got.view(torch.int16), want.view(torch.int16)))
+            failures += not row["same_bits"][name]
+            row["ms"][name] = graph_ms(calls)
+        ratios = {name: row["cublas_ms"] / t for name, t in row["ms"].items()}
+        row["ratio"] = ratios
+        best = min(row["ms"], key=row["ms"].get)
+        log(f"M={m:3d} N={n:5d} K={k:5d} cuBLAS {row['cublas_ms'] * 1e3:6.1f} us | direct {ratios['direct']:.2f} "
+            f"rule {ratios['rule']:.2f} ({'split' if table['split'] else 'direct'}) | best {best} {ratios[best]:.2f}"
+            f" | bits {'ok' if all(row['same_bits'].values()) else 'DIFFER ' + str(row['same_bits'])}")
+        rows.append(row)
+        del sets
+        with open(args.json, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), sms=sms, rows=rows, failures=failures), f, indent=1)
+    for m in sorted({r["m"] for r in rows}):
+        at = [r for r in rows if r["m"] == m]
+        log(f"M={m}: {len(at)} cells, cuBLAS/ours median direct {statistics.median(r['ratio']['direct'] for r in at):.2f}"
+            f" rule {statistics.median(r['ratio']['rule'] for r in at):.2f}"
+            f" best split {statistics.median(max(v for key, v in r['ratio'].items() if key.startswith('split')) for r in at):.2f}")
+    log(f"bit checks: {failures} launches differ from the direct launch" if failures else "bit checks: PASS")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
