@@ -8,8 +8,9 @@ M in --ms. Per cell:
 
   direct   the table's launch without the split (the launch before the rule; at M > 16 the table's own launch)
   rule     ``backend.linear`` as it runs now (at M <= 16 the split where the rule takes it)
-  splitN   split launches at 16 / 32 / 64 rows a tile (BLOCK_N 64 or 128, the rule's chunks per program for that
-           tile), for the M > 16 cells the rule does not cover yet: data for a rule there
+  splitN   split launches at 16 / 32 / 64 rows a tile (BLOCK_N 32-128, pointer or, from 17 rows, descriptor loads;
+           the rule's chunks per program for that tile), for the M > 16 cells the rule does not cover yet: data
+           for a rule there
   cuBLAS   ``F.linear``
 
 Every launch must give the direct launch's bits (torch.equal): a launch choice never changes them. Times are
@@ -52,15 +53,19 @@ def split_variants(m: int, n: int, k: int, spec, sms: int) -> dict[str, dict]:
     fewest chunks that keep the grid within one wave."""
     chunks = spec.chunk_count(k)
     out = {}
-    for block_m, block_n, block_k, warps, stages in ((16, 64, 256, 4, 3), (16, 128, 128, 4, 4), (32, 64, 128, 4, 4),
-                                                     (32, 128, 128, 4, 4), (64, 64, 128, 4, 4), (64, 128, 64, 4, 4)):
-        if block_m < min(m, 64) or block_m > max(16, 2 * m):
+    # (rows, columns, K step, warps, stages, descriptor loads): the pointer tiles of the tuner's candidates and,
+    # from 17 rows, the table's descriptor (TMA) tiles for 32 and 64 rows
+    for block_m, block_n, block_k, warps, stages, tma in (
+            (16, 64, 256, 4, 3, False), (16, 128, 128, 4, 4, False), (32, 64, 128, 4, 4, False),
+            (32, 128, 128, 4, 4, False), (64, 64, 128, 4, 4, False), (64, 128, 64, 4, 4, False),
+            (32, 32, 256, 4, 4, True), (32, 128, 128, 4, 4, True), (64, 32, 128, 4, 6, True), (64, 64, 64, 4, 6, True)):
+        if block_m < min(m, 64) or block_m > max(16, 2 * m) or (tma and m <= 16):
             continue
         tiles = cdiv(m, block_m) * cdiv(n, block_n)
         per = next((c for c in range(1, chunks + 1) if tiles * cdiv(chunks, c) <= sms), chunks)
-        out[f"split{block_m}x{block_n}c{per}"] = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                                                     num_warps=warps, num_stages=stages, GROUP_M=1, split=True,
-                                                     chunks_per_program=per, tma=False)
+        out[f"split{block_m}x{block_n}c{per}{'tma' if tma else ''}"] = dict(
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages, GROUP_M=1,
+            split=True, chunks_per_program=per, tma=tma)
     return out
 
 

@@ -346,8 +346,8 @@ def _launch(x, weight, bias, out, cfg: dict, spec: Gemm, tma_ok: bool, *, keep_p
     bias_arg = bias if bias is not None else out_arg
     if partial is None:
         partial = torch.empty((chunks, m, n), device=x.device, dtype=torch.float32) if split else out
-    # "tma" asks for descriptor loads where the tensors allow them (the bits are the same).
-    tma = cfg["tma"] and not split and tma_ok
+    # "tma" asks for descriptor loads where the tensors allow them (the bits are the same), split or not.
+    tma = cfg["tma"] and tma_ok
     if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
