@@ -60,12 +60,16 @@ def _programs(spec, cfg, m, n, k):
     return -(-m // cfg["BLOCK_M"]) * -(-n // cfg["BLOCK_N"]) * splits
 
 
-@pytest.mark.parametrize("n, k", [(1536, 8960), (896, 4864), (2048, 11008), (2048, 6144), (2560, 9728), (1024, 3072)])
-@pytest.mark.parametrize("m", [1, 16])
-def test_narrow_deep_weight_streams_split_k_over_every_multiprocessor(spec, monkeypatch, m, n, k):
+@pytest.mark.parametrize("m, n, k", [
+    *[(m, n, k) for m in (1, 16, 32) for n, k in ((1536, 8960), (896, 4864), (2048, 11008), (2048, 6144), (1024, 3072),
+                                                  (1024, 2048))],
+    (64, 896, 4864), (64, 1024, 2048), (64, 1024, 3072)])
+def test_narrow_deep_weight_streams_split_k_over_more_multiprocessors(spec, monkeypatch, m, n, k):
     cfg = _config(spec, m, n, k, monkeypatch)
-    assert cfg["split"] and not cfg["tma"]
-    direct = dict(cfg, split=False, chunks_per_program=1, BLOCK_N=32 if -(-n // 32) <= 2 * H200_SMS else 64)
+    assert cfg["split"]
+    assert cfg["tma"] == (m > 16)               # descriptor tiles from 17 rows, as the direct launch's
+    direct_rows = 16 if m <= 16 else 32 if m <= 32 else 64
+    direct = dict(cfg, split=False, chunks_per_program=1, BLOCK_M=direct_rows, BLOCK_N=32)
     # more programs than the direct grid, within one wave
     assert _programs(spec, direct, m, n, k) < _programs(spec, cfg, m, n, k) <= H200_SMS
     # the fewest chunks per program that stay within the wave
@@ -77,12 +81,20 @@ def test_narrow_deep_weight_streams_split_k_over_every_multiprocessor(spec, monk
 @pytest.mark.parametrize("m, n, k", [
     (1, 4096, 4096),      # 128 direct programs already fill the GPU
     (16, 3584, 18944),    # 112 of 132
-    (1, 896, 512),        # one chunk: nothing to split
+    (1, 2560, 9728),      # 80 of 132: the split lost 7-8% on the H100
+    (1, 2048, 2048),      # 64 of 132 over 4 chunks: lost 6%
+    (16, 1536, 1536),     # 3 chunks: lost 13%
+    (1, 896, 896),        # 2 chunks
+    (64, 2048, 6144),     # 64 rows over 64 direct programs: lost 12%
     (1, 151936, 2048),    # the logits: thousands of tiles
-    (32, 1536, 8960),     # more rows: the TMA tiles' table (the split would not read by descriptor)
 ])
-def test_no_split_where_the_direct_grid_fills_the_gpu_or_k_is_one_chunk(spec, monkeypatch, m, n, k):
+def test_no_split_where_it_lost_or_cannot_gain(spec, monkeypatch, m, n, k):
     assert not _config(spec, m, n, k, monkeypatch)["split"]
+
+
+def test_without_descriptor_loads_from_17_rows_no_split(spec, monkeypatch):
+    monkeypatch.setattr(gemm, "INTERPRET", False)
+    assert not gemm._config(32, 1536, 8960, spec, False, H200_SMS)["split"]   # the pointer table's own tile
 
 
 def test_without_a_multiprocessor_count_no_split(spec, monkeypatch):

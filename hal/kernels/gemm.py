@@ -131,18 +131,20 @@ def _config(m: int, n: int, k: int, spec: Gemm, tma: bool, sms: int) -> dict:
             direct = dict(base, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=4)
         else:
             direct = dict(base, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=5)
-        return _weight_stream_split(n, chunks, sms, direct) or direct
+        return _weight_stream_split(m, n, chunks, sms, direct) or direct
     if m <= 32 and tma and not wide:
         # 32-row tiles: a 64-row tile for 17..32 rows is half padding. `hal tune` on the H200 chose these
         # for every M = 32 linear of Qwen2.5-32B, 1.15-1.90x faster than the 64-row rule below
         # (bench/results/h200-2026-12-02-session8/call9-hal-tune/).
         if one_wave_of_32:
-            return dict(base, BLOCK_M=32, BLOCK_N=32, BLOCK_K=256, tma=True, num_warps=4, num_stages=4)
+            direct = dict(base, BLOCK_M=32, BLOCK_N=32, BLOCK_K=256, tma=True, num_warps=4, num_stages=4)
+            return _weight_stream_split(m, n, chunks, sms, direct) or direct
         return dict(base, BLOCK_M=32, BLOCK_N=128, BLOCK_K=128, tma=True, num_warps=4, num_stages=4)
     if m <= 64:
         if tma and not wide:  # descriptor loads: 44 registers instead of 228, and the MMAs overlap
             if one_wave_of_32:
-                return dict(base, BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, tma=True, num_warps=4, num_stages=6)
+                direct = dict(base, BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, tma=True, num_warps=4, num_stages=6)
+                return _weight_stream_split(m, n, chunks, sms, direct) or direct
             return dict(base, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, tma=True, num_warps=4, num_stages=6)
         return dict(base, BLOCK_M=64, BLOCK_N=64 if wide else 32, BLOCK_K=64 if wide else 128, num_warps=4,
                     num_stages=4)
@@ -160,36 +162,53 @@ def _config(m: int, n: int, k: int, spec: Gemm, tma: bool, sms: int) -> dict:
     return dict(base, **min(_WAVE_TILES, key=lambda t: _wave_cost(t, m, n, sms))[0])
 
 
-# Split-K tiles for few rows (BLOCK_N, BLOCK_K, warps, stages): what `hal tune` chose on the H200 where the split
-# won (bench/results/h200-2026-12-02-session8/call9-hal-tune/: N = 2048-4096 at M = 1 and 16).
-_SPLIT_TILES = ((128, 128, 4, 4), (64, 256, 4, 3))
+# Split-K tiles for few rows, wider first: (rows, BLOCK_N, BLOCK_K, warps, stages, descriptor loads). Up to 16 rows the
+# two pointer tiles `hal tune` picked on the H200 where it split (bench/results/h200-2026-12-02-session8/call9-hal-tune/);
+# 17-32 rows the two descriptor tiles that won the most cells of bench/gemm_split_gpu.py on an H100; 33-64 rows the
+# direct launch's own tile (bench/results/h100-2026-12-07-gemm-split/).
+_SPLIT_TILES = {16: ((128, 128, 4, 4, False), (64, 256, 4, 3, False)),
+                32: ((128, 128, 4, 4, True), (32, 256, 4, 4, True)),
+                64: ((32, 128, 4, 6, True),)}
 
 
-def _weight_stream_split(n: int, chunks: int, sms: int, direct: dict) -> dict | None:
-    """Split-K for a weight-read-bound GEMM (M <= 16) whose direct grid leaves a quarter or more of the
-    multiprocessors idle: narrow N over deep K, the down projections of small models (N = 896-2560,
-    K = 4864-11008: 0.58-0.80x cuBLAS in session 13's family sweep, one program per 32 or 64 columns streaming
-    all of K). Splitting K over chunk ranges puts every multiprocessor on the weight; each program stores its
-    chunks' sums and ``_combine_kernel`` adds them in ascending order, the contract's sum (the split launch is
-    bit-identical to the direct one: tests/test_cuda_interpreter.py, bench/tile_freedom.py). The chunk sums cost
-    M x N x chunks x 8 bytes of traffic, at M <= 16 an eighth of the weight's or less. Among ``_SPLIT_TILES`` the
-    launch with the most programs within one wave, each program taking the fewest chunks that keep it there;
-    None where the direct grid already fills three quarters of the GPU, K is one chunk, or no split fits a wave."""
-    direct_programs = cdiv(n, direct["BLOCK_N"])
-    if chunks < 2 or sms <= 0 or 4 * direct_programs >= 3 * sms:
+def _weight_stream_split(m: int, n: int, chunks: int, sms: int, direct: dict) -> dict | None:
+    """Split-K for a GEMM of few rows (M <= 64) whose direct grid leaves most multiprocessors idle: narrow N over
+    deep K, the down projections of small models (N = 896-2048, K = 2048-11008). The direct launch gives each
+    program 32 columns and all of K, so N = 1536 is 48 programs on 132 multiprocessors, each streaming its slice
+    of the weight: 0.63-0.87x cuBLAS on an H100 at M = 1-32 (bench/results/h100-2026-12-07-gemm-split/).
+    Splitting K over chunk ranges puts more programs on the weight; each stores its chunks' sums and
+    ``_combine_kernel`` adds them in ascending order, the contract's sum (bitwise the direct launch's:
+    tests/test_cuda_interpreter.py, and on the GPU that benchmark's checks).
+
+    When (fitted on that benchmark's 70 cells, H100): the chunk sums cost M x N x chunks x 8 bytes of traffic (at
+    64 rows half the weight's) and a second kernel, so a split pays only where the direct grid is far from
+    filling the GPU and K is deep. Up to 32 rows: at least four chunks, and the direct grid at most 3/8 of the
+    multiprocessors, or at most half with at least 12 chunks (N = 2048, K = 6144: 0.87 -> 0.97; N = 2048,
+    K = 1536 or 2048 and N = 2560 lost 5-15% split). 33-64 rows: at least four chunks and at most a quarter
+    of the multiprocessors (N = 896-1024: 0.80-0.99 -> 0.96-1.10; at N = 2048 the split lost 12-18%).
+    Which launch: of ``_SPLIT_TILES`` the wider tile, unless the narrower gives at least twice its programs;
+    each program takes the fewest chunks that keep the grid within one wave. None: keep the direct launch."""
+    rows = 16 if m <= 16 else 32 if m <= 32 else 64
+    direct_programs = cdiv(m, direct["BLOCK_M"]) * cdiv(n, direct["BLOCK_N"])
+    if chunks < 4 or sms <= 0:
         return None
-    best, best_programs = None, direct_programs
-    for block_n, block_k, warps, stages in _SPLIT_TILES:
-        tiles = cdiv(n, block_n)
+    if rows <= 32:
+        if not (8 * direct_programs <= 3 * sms or (2 * direct_programs <= sms and chunks >= 12)):
+            return None
+    elif 4 * direct_programs > sms:
+        return None
+    best, best_programs = None, 0
+    for block_n, block_k, warps, stages, tma in _SPLIT_TILES[rows]:
+        tiles = cdiv(m, rows) * cdiv(n, block_n)
         if tiles > sms:
             continue
         per_program = next(c for c in range(1, chunks + 1) if tiles * cdiv(chunks, c) <= sms)
         programs = tiles * cdiv(chunks, per_program)
-        if programs > best_programs:
+        if best is None or programs >= 2 * best_programs:
             best_programs = programs
-            best = dict(direct, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages, split=True,
-                        chunks_per_program=per_program)
-    return best
+            best = dict(direct, BLOCK_M=rows, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
+                        tma=tma, split=True, chunks_per_program=per_program)
+    return best if best is not None and best_programs > direct_programs else None
 
 
 # (configuration, programs per multiprocessor, MMA rate per multiprocessor relative to 128 x 256) of the tiles
@@ -233,7 +252,8 @@ def candidates(m: int, n: int, k: int, spec: Gemm, tma_ok: bool, tiles=None) -> 
     """Every contract-preserving launch configuration worth timing for an (m, n, k) GEMM: the tiles of
     ``_TILES`` whose BLOCK_K divides k_chunk, whose BLOCK_M is not far above M (a 128-row tile for 8 rows
     only wastes MMAs) and that fit in shared memory, each by pointer and (where the tensors allow) by
-    descriptor, and split-K over 1 or 2 chunks per program where K has several chunks and M is small.
+    descriptor, and split-K over 1 or 2 chunks per program (by pointer, and from 17 rows by descriptor) where K
+    has several chunks and M is small.
     ``tiles``: another tile list than ``_TILES`` (bench/gemm_landscape.py explores beyond it)."""
     chunks = spec.chunk_count(k)
     out = []
@@ -249,6 +269,8 @@ def candidates(m: int, n: int, k: int, spec: Gemm, tma_ok: bool, tiles=None) -> 
             out.append(dict(base, tma=True))
         if chunks > 1 and m <= 64:
             out += [dict(base, split=True, chunks_per_program=c) for c in (1, 2) if c < chunks]
+            if tma_ok and m > 16:    # split launches read by descriptor too (the table's from 17 rows)
+                out += [dict(base, split=True, chunks_per_program=c, tma=True) for c in (1, 2) if c < chunks]
     return out
 
 
