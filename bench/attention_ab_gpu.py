@@ -38,10 +38,10 @@ import time
 
 import torch
 import torch.nn.functional as F
-import triton
 
 import old_kernels
 from bench_cuda import paged_problem, sdpa_problem
+from hal.kernels.tuning import do_bench_cudagraph_synced  # noqa: E402  (waits for queued input writes)
 from hal.api import create_backend
 from hal.backends.cuda.launch import CUDA_LAUNCH
 from hal.kernels import attention
@@ -167,7 +167,7 @@ def main() -> int:
             row["identical"][name] = same
         for turn in (1, 2):
             for name, fn in (("new", new), ("old", old), ("alt", lambda: new(**alt))):
-                row["us"][f"{name}{turn}"] = triton.testing.do_bench_cudagraph(fn, rep=args.rep,
+                row["us"][f"{name}{turn}"] = do_bench_cudagraph_synced(fn, rep=args.rep,
                                                                                return_mode="median") * 1000
         if phase == "prefill" and len(seq_lens) == 1:
             qs, ks, vs = sdpa_problem(1, seq_lens[0], seq_lens[0], hq, hkv, d)
@@ -176,7 +176,7 @@ def main() -> int:
                 with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
                     return F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
             try:
-                row["us"]["sdpa_flash"] = triton.testing.do_bench_cudagraph(sdpa, rep=args.rep,
+                row["us"]["sdpa_flash"] = do_bench_cudagraph_synced(sdpa, rep=args.rep,
                                                                             return_mode="median") * 1000
             except Exception as exc:  # noqa: BLE001 - reported, not fatal
                 row["errors"]["sdpa_flash"] = str(exc).splitlines()[0][:200]

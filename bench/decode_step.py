@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from hal.kernels.tuning import do_bench_cudagraph_synced  # noqa: E402  (waits for queued input writes)
 from hal.api import create_backend
 from hal.backend import AttentionMetadata, Backend
 from hal.rollout.sampler import sample_rows
@@ -53,7 +54,7 @@ def eager(fn) -> float:
 def graph(fn) -> float:
     if DRY:
         return 0.0
-    return triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median")
+    return do_bench_cudagraph_synced(fn, rep=20, return_mode="median")
 
 
 def host_us(fn, calls: int = 100) -> float:

@@ -30,6 +30,7 @@ import time
 
 import torch
 
+from hal.kernels.tuning import do_bench_cudagraph_synced  # noqa: E402  (waits for queued input writes)
 from hal import fp8
 from hal.api import create_backend
 from hal.contract import load_contract
@@ -167,8 +168,6 @@ def read_section(device, small):
 
 
 def speed_section(device):
-    import triton
-
     out = []
     spec = FP8.fp8
     cuda, _ = backends(spec, device)
@@ -182,9 +181,9 @@ def speed_section(device):
         k_bf16, v_bf16 = cache.read(torch.bfloat16)
         same = torch.equal(cache.attention(cuda, q, meta, scale=d ** -0.5),
                            cuda.attention(q, k_bf16, v_bf16, meta, scale=d ** -0.5))
-        t_bf16 = triton.testing.do_bench_cudagraph(lambda: cuda.attention(q, k_bf16, v_bf16, meta, scale=d ** -0.5),
+        t_bf16 = do_bench_cudagraph_synced(lambda: cuda.attention(q, k_bf16, v_bf16, meta, scale=d ** -0.5),
                                                    rep=50, return_mode="median")
-        t_fp8 = triton.testing.do_bench_cudagraph(lambda: cache.attention(cuda, q, meta, scale=d ** -0.5), rep=50,
+        t_fp8 = do_bench_cudagraph_synced(lambda: cache.attention(cuda, q, meta, scale=d ** -0.5), rep=50,
                                                   return_mode="median")
 
         def fp8_warps(warps):   # the same kernel at another warp count (a launch choice: the same bits)
@@ -193,7 +192,7 @@ def speed_section(device):
                 d ** -0.5, cuda.contract.attention, policy=cuda._launch, k_scale=cache.k_scale, v_scale=cache.v_scale,
                 num_warps=warps)
         same_w8 = torch.equal(fp8_warps(8), cache.attention(cuda, q, meta, scale=d ** -0.5))
-        t_fp8_w8 = triton.testing.do_bench_cudagraph(lambda: fp8_warps(8), rep=50, return_mode="median")
+        t_fp8_w8 = do_bench_cudagraph_synced(lambda: fp8_warps(8), rep=50, return_mode="median")
         keys = batch * ctx * hkv
         bytes_bf16 = keys * d * 2 * 2
         bytes_fp8 = keys * (d + 4) * 2            # fp8 values and one fp32 scale per (token, head), K and V

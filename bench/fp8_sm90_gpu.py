@@ -31,6 +31,7 @@ import triton
 sys.path.insert(0, __import__("os").path.dirname(__file__))
 from fp8_gpu import CUDA_LAUNCH_UNTUNED, SPEC, activations, bits, layer, speed_weight  # noqa: E402
 
+from hal.kernels.tuning import do_bench_cudagraph_synced  # noqa: E402  (waits for queued input writes)
 from hal.kernels import fp8_gemm, fp8_gemm_sm90  # noqa: E402
 
 # (BLOCK_M, BLOCK_N, warps, stages, unroll[, "ws"]): blocks per step, of which all but the last have their add
@@ -52,7 +53,7 @@ SPEED_MS = (256, 1024, 4096, 8192)
 def graph_ms(fn) -> float:
     """Device time of one call, replayed in a CUDA graph (median): the host's cost of a launch (descriptors
     are built on the host per call, ~25-40 us) stays out of it, which plain do_bench measured at small M."""
-    return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
+    return do_bench_cudagraph_synced(fn, rep=50, return_mode="median")
 
 
 def log(msg: str) -> None:

@@ -22,9 +22,9 @@ import time
 
 import torch
 import torch.nn.functional as F
-import triton
 
 from bench_cuda import paged_problem, sdpa_problem
+from hal.kernels.tuning import do_bench_cudagraph_synced  # noqa: E402  (waits for queued input writes)
 from hal.api import create_backend
 from hal.backends.cuda.launch import CUDA_LAUNCH
 from hal.kernels import attention
@@ -75,7 +75,7 @@ def main() -> int:
                 torch.cuda.synchronize()
                 row["identical"][name] = torch.equal(out.view(torch.int16), base.view(torch.int16))
                 ok &= row["identical"][name]
-                row["us"][name] = triton.testing.do_bench_cudagraph(lambda: run(rows, warps, stages), rep=30,
+                row["us"][name] = do_bench_cudagraph_synced(lambda: run(rows, warps, stages), rep=30,
                                                                     return_mode="median") * 1000
             except Exception as exc:  # noqa: BLE001 - reported, and the run fails
                 row["errors"][name] = str(exc).splitlines()[0][:200]
@@ -86,7 +86,7 @@ def main() -> int:
             with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
                 return F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
         try:
-            row["us"]["sdpa_flash"] = triton.testing.do_bench_cudagraph(sdpa, rep=30, return_mode="median") * 1000
+            row["us"]["sdpa_flash"] = do_bench_cudagraph_synced(sdpa, rep=30, return_mode="median") * 1000
         except Exception as exc:  # noqa: BLE001 - reported, not fatal: the variants still compare
             row["errors"]["sdpa_flash"] = str(exc).splitlines()[0][:200]
         rows_out.append(row)

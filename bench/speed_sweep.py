@@ -32,6 +32,7 @@ from triton.runtime.errors import OutOfResources
 
 import old_kernels
 from bench_cuda import copies, paged_problem, relayout, rotating, sdpa_problem
+from hal.kernels.tuning import do_bench_cudagraph_synced  # noqa: E402  (waits for queued input writes)
 from hal.api import create_backend
 from hal.backends.cuda.launch import CUDA_LAUNCH
 from hal.contract import load_contract
@@ -50,7 +51,7 @@ def eager(fn) -> float:
 
 def bench(fn) -> float:
     if GRAPH:
-        return triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median")
+        return do_bench_cudagraph_synced(fn, rep=20, return_mode="median")
     return eager(fn)
 
 
@@ -69,7 +70,7 @@ def host_us(fn, calls: int = 200) -> float:
 def graph_ms(fn) -> float:
     """Device time alone: the call captured in a CUDA graph and replayed."""
     try:
-        return triton.testing.do_bench_cudagraph(fn, rep=40, return_mode="median")
+        return do_bench_cudagraph_synced(fn, rep=40, return_mode="median")
     except Exception as exc:  # noqa: BLE001 - recorded, not fatal
         print("graph capture failed:", repr(exc)[:200])
         return float("nan")

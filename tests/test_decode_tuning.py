@@ -282,3 +282,18 @@ def test_the_decode_rule_always_picks_a_launch_the_tuner_bit_checks():
                         picked.add(normal(pick, max_splits))
     assert len(picked) >= 8                                   # the rule does use the search's launches
     assert normal(dict(split_parallel=True, num_warps=16)) not in {normal(c) for c in attention.decode_candidates(4, 4)}
+
+
+def test_graph_timing_waits_for_queued_input_writes(monkeypatch):
+    """The tuner's timer (and every benchmark's) synchronises before triton's do_bench_cudagraph, whose new
+    stream does not wait for the current one: hal tune read a block table before randperm had written it
+    (an illegal memory access on an H100, bench/results/h100-2026-12-07-gemm-split/)."""
+    import triton.testing
+
+    from hal.kernels import tuning
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: calls.append("synchronize"))
+    monkeypatch.setattr(triton.testing, "do_bench_cudagraph", lambda fn, **kw: calls.append("bench") or 0.5)
+    assert tuning._device_ms(lambda: None) == 0.5
+    assert calls == ["synchronize", "bench"]

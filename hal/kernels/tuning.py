@@ -145,10 +145,22 @@ def runtime_cache(device_name: str, triton_version: str) -> TuneCache | None:
     return cache
 
 
-def _device_ms(fn: Callable[[], object]) -> float:
+def do_bench_cudagraph_synced(fn: Callable[[], object], **kwargs):
+    """``triton.testing.do_bench_cudagraph(fn, **kwargs)`` once every kernel already queued has finished.
+
+    Why: do_bench_cudagraph runs ``fn`` on a new stream that does not wait for the current one, so inputs
+    still being written there (a benchmark's random caches, block tables, activations) are read half-made.
+    `hal tune` read a decode cell's block table before ``randperm`` had written it and faulted with an illegal
+    memory access (B = 1 x 32k keys, H100, bench/results/h100-2026-12-07-gemm-split/); the same cell passed with
+    blocking launches. Values read early are also timed on the wrong data."""
     import triton
 
-    return triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median")
+    torch.cuda.synchronize()
+    return triton.testing.do_bench_cudagraph(fn, **kwargs)
+
+
+def _device_ms(fn: Callable[[], object]) -> float:
+    return do_bench_cudagraph_synced(fn, rep=20, return_mode="median")
 
 
 def tune_gemm(shapes: Iterable[tuple[int, int, int]], spec: Gemm, *, dtype: torch.dtype = torch.bfloat16,
