@@ -184,8 +184,8 @@ def _weight_stream_split(m: int, n: int, chunks: int, sms: int, direct: dict) ->
     64 rows half the weight's) and a second kernel, so a split pays only where the direct grid is far from
     filling the GPU and K is deep. Up to 32 rows: at least four chunks, and the direct grid at most 3/8 of the
     multiprocessors, or at most half with at least 12 chunks (N = 2048, K = 6144: 0.87 -> 0.97; N = 2048,
-    K = 1536 or 2048 and N = 2560 lost 5-15% split). 33-64 rows: at least four chunks and at most a quarter
-    of the multiprocessors (N = 896-1024: 0.80-0.99 -> 0.96-1.10; at N = 2048 the split lost 12-18%).
+    K = 1536 or 2048 and N = 2560 lost 6-16% split). 33-64 rows: at least four chunks and at most a quarter
+    of the multiprocessors (N = 896-1024: 0.80-0.99 -> 0.96-1.10; at N = 2048 the split lost 11-18%).
     Which launch: of ``_SPLIT_TILES`` the wider tile, unless the narrower gives at least twice its programs;
     each program takes the fewest chunks that keep the grid within one wave. None: keep the direct launch."""
     rows = 16 if m <= 16 else 32 if m <= 32 else 64
