@@ -1,16 +1,15 @@
 """Split-K for narrow, weight-read-bound GEMMs on the GPU (issue #20): the table's split rule
-(``gemm._weight_stream_split``, M <= 16) and split launches at more rows, each checked bitwise against the
-direct launch and timed against it and cuBLAS.
+(``gemm._weight_stream_split``, up to 64 rows) and split launches of 16-64 rows, each checked bitwise against
+the direct launch and timed against it and cuBLAS.
 
 Cells: every linear of the family sweep's models (bench/family_sweep.py ``MODELS``) whose direct grid at few rows
 leaves a quarter or more of the GPU idle (N <= 3/4 x SMs x 32 columns) and whose K has two or more chunks, at
 M in --ms. Per cell:
 
-  direct   the table's launch without the split (the launch before the rule; at M > 16 the table's own launch)
-  rule     ``backend.linear`` as it runs now (at M <= 16 the split where the rule takes it)
+  direct   the table's launch with the split rule switched off
+  rule     ``backend.linear`` as it runs now (the split where the rule takes it)
   splitN   split launches at 16 / 32 / 64 rows a tile (BLOCK_N 32-128, pointer or, from 17 rows, descriptor loads;
-           the rule's chunks per program for that tile), for the M > 16 cells the rule does not cover yet: data
-           for a rule there
+           each program the fewest chunks that keep the grid within one wave): the data the rule is fitted on
   cuBLAS   ``F.linear``
 
 Every launch must give the direct launch's bits (torch.equal): a launch choice never changes them. Times are
@@ -69,6 +68,16 @@ def split_variants(m: int, n: int, k: int, spec, sms: int) -> dict[str, dict]:
     return out
 
 
+def _without_split_rule(fn):
+    """``fn()`` with ``gemm._weight_stream_split`` switched off: the table's direct launch."""
+    rule = gemm._weight_stream_split
+    gemm._weight_stream_split = lambda *args, **kwargs: None
+    try:
+        return fn()
+    finally:
+        gemm._weight_stream_split = rule
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ms", default="1,4,16,32,64")
@@ -88,12 +97,9 @@ def main(argv=None) -> int:
         sets = [(torch.randn(m, k, device="cuda", dtype=torch.bfloat16),
                  (torch.randn(n, k, device="cuda") * k ** -0.5).to(torch.bfloat16))
                 for _ in range(copies(n * k * 2 + m * k * 2))]
-        table = gemm._config(m, n, k, spec, gemm._tma_ok(sets[0][0]) and gemm._tma_ok(sets[0][1]), sms)
-        direct_cfg = dict(table, split=False, chunks_per_program=1)
-        if table["split"]:      # the rule's split: the direct launch is the table's tile before the rule
-            one_wave_of_32 = cdiv(n, 32) <= 2 * sms
-            direct_cfg.update(BLOCK_N=32 if one_wave_of_32 else 64, BLOCK_K=256 if one_wave_of_32 else 128,
-                              num_stages=4 if one_wave_of_32 else 5)
+        tma = gemm._tma_ok(sets[0][0]) and gemm._tma_ok(sets[0][1])
+        table = gemm._config(m, n, k, spec, tma, sms)
+        direct_cfg = _without_split_rule(lambda: gemm._config(m, n, k, spec, tma, sms))
         launches = {"direct": direct_cfg, "rule": None, **split_variants(m, n, k, spec, sms)}
         x0, w0 = sets[0]
         want = gemm.linear(x0, w0, None, torch.bfloat16, spec, direct_cfg, policy=backend._launch)

@@ -1,5 +1,5 @@
 """The GEMM launch table's rules (hal/kernels/gemm.py ``_config``: the wave rule above 64 rows, split-K for narrow
-weight-read-bound GEMMs at M <= 16): launch choices never change the bits (tests/test_cuda_interpreter.py checks
+weight-read-bound GEMMs up to 64 rows): launch choices never change the bits (tests/test_cuda_interpreter.py checks
 the candidate set and the split launches), so this checks only the choice."""
 
 from __future__ import annotations
