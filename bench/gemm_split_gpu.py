@@ -47,6 +47,13 @@ def cells(ms: list[int], sms: int, k_chunk: int) -> list[tuple[int, int, int, li
     return [(m, n, k, layers) for (n, k), layers in sorted(shapes.items()) for m in ms]
 
 
+def launch_name(cfg: dict) -> str:
+    """A launch's name in a run: "split<rows>x<columns>c<chunks per program>[tma]", or "direct"."""
+    if not cfg["split"]:
+        return "direct"
+    return f"split{cfg['BLOCK_M']}x{cfg['BLOCK_N']}c{cfg['chunks_per_program']}{'tma' if cfg['tma'] else ''}"
+
+
 def split_variants(m: int, n: int, k: int, spec, sms: int) -> dict[str, dict]:
     """Split launches with 16 / 32 / 64-row tiles (pointer loads) and 64 / 128 columns, each program taking the
     fewest chunks that keep the grid within one wave."""
@@ -62,9 +69,9 @@ def split_variants(m: int, n: int, k: int, spec, sms: int) -> dict[str, dict]:
             continue
         tiles = cdiv(m, block_m) * cdiv(n, block_n)
         per = next((c for c in range(1, chunks + 1) if tiles * cdiv(chunks, c) <= sms), chunks)
-        out[f"split{block_m}x{block_n}c{per}{'tma' if tma else ''}"] = dict(
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages, GROUP_M=1,
-            split=True, chunks_per_program=per, tma=tma)
+        cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages, GROUP_M=1,
+                   split=True, chunks_per_program=per, tma=tma)
+        out[launch_name(cfg)] = cfg
     return out
 
 

@@ -15,15 +15,9 @@ os.environ.setdefault("MPLBACKEND", "Agg")
 
 import matplotlib.pyplot as plt  # noqa: E402
 
+from gemm_split_gpu import launch_name  # noqa: E402  (the run's names of its launches)
 from hal.contract import load_contract  # noqa: E402
 from hal.kernels import gemm  # noqa: E402
-
-
-def launch_name(cfg: dict) -> str:
-    """The run's name of a split launch (``gemm_split_gpu.split_variants``), or "direct"."""
-    if not cfg["split"]:
-        return "direct"
-    return f"split{cfg['BLOCK_M']}x{cfg['BLOCK_N']}c{cfg['chunks_per_program']}{'tma' if cfg['tma'] else ''}"
 
 
 def main(argv=None) -> int:
@@ -41,10 +35,9 @@ def main(argv=None) -> int:
         rows = sorted((r for r in run["rows"] if r["m"] == m), key=lambda r: r["ratio"]["direct"])
         xs = range(len(rows))
         ax.plot(xs, [r["ratio"]["direct"] for r in rows], "o", color="tab:gray", label="direct launch")
-        picked = [(i, r["ratio"].get(launch_name(gemm._config(m, r["n"], r["k"], spec, True, run["sms"]))))
-                  for i, r in enumerate(rows)]
-        split = [(i, v) for (i, v), r in zip(picked, rows) if v is not None and
-                 gemm._config(m, r["n"], r["k"], spec, True, run["sms"])["split"]]
+        rule = [gemm._config(m, r["n"], r["k"], spec, True, run["sms"]) for r in rows]
+        split = [(i, r["ratio"][launch_name(cfg)]) for i, (r, cfg) in enumerate(zip(rows, rule))
+                 if cfg["split"] and launch_name(cfg) in r["ratio"]]
         if split:
             ax.plot(*zip(*split), "^", color="tab:blue", label="the rule's split")
         ax.axhline(0.9, color="red", ls="--", lw=1)
