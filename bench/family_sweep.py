@@ -279,6 +279,9 @@ def main(argv=None) -> int:
     parser.add_argument("--decode-rule", choices=("current", "previous"), default="current",
                         help="previous: time decode with the launch rule before 2026-12-06's refit (a before/after "
                              "on one GPU; the bits are the same either way)")
+    parser.add_argument("--resume", default=None,
+                        help="a JSON this script wrote on the same kind of GPU: keep its rows and run only the cells "
+                             "it lacks (a family too large for one device call is swept over several)")
     parser.add_argument("--json", required=True)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -294,11 +297,17 @@ def main(argv=None) -> int:
         keep = {int(m) for m in args.gemm_m.split(",")}
         cells = [c for c in cells if c["op"] != "gemm" or c["m"] in keep]
     random.Random(args.seed).shuffle(cells)
+    fields = {c["op"]: sorted(c) for c in cells}          # each op's planned fields, before a run adds its own
+    planned = {_cell_key(c, fields) for c in cells}
+    rows = [r for r in _resumed_rows(args.resume, fields) if _cell_key(r, fields) in planned] if args.resume else []
+    done = {_cell_key(r, fields) for r in rows}
+    cells_total = len(cells)
+    cells = [c for c in cells if _cell_key(c, fields) not in done]
     fa3 = flash_attention_3() if "decode" in only else None
     t0 = time.time()
     counts = ", ".join(f"{op}: {sum(c['op'] == op for c in cells)}" for op in only)
-    log(f"{len(cells)} cells ({counts}), budget {args.budget_s:.0f} s, device {torch.cuda.get_device_name()}")
-    rows = []
+    log(f"{len(cells)} cells ({counts}), budget {args.budget_s:.0f} s, device {torch.cuda.get_device_name()}"
+        + (f"; {len(rows)} of the family's {cells_total} kept from {args.resume}" if args.resume else ""))
     for i, cell in enumerate(cells):
         if time.time() - t0 > args.budget_s:
             log(f"budget reached after {i} of {len(cells)} cells")
@@ -321,11 +330,26 @@ def main(argv=None) -> int:
         rows.append(cell)
         torch.cuda.empty_cache()
         if i % 20 == 0 or i == len(cells) - 1:
-            _write(args.json, rows, len(cells), t0)
-    result = _write(args.json, rows, len(cells), t0)
+            _write(args.json, rows, cells_total, t0)
+    result = _write(args.json, rows, cells_total, t0)
     for op, s in result["summary"].items():
         log(f"{op}: " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in s.items()))
     return 0
+
+
+def _cell_key(row: dict, fields: dict) -> str:
+    """A cell's identity: its planned fields (op, shape, ...), without what running it added."""
+    return json.dumps([row.get(k) for k in fields[row["op"]]])
+
+
+def _resumed_rows(path: str, fields: dict) -> list:
+    """The rows of an earlier run of this family on the same kind of GPU (cells that errored run again)."""
+    with open(path) as f:
+        earlier = json.load(f)
+    if earlier["device"] != torch.cuda.get_device_name():
+        raise SystemExit(f"--resume {path}: measured on {earlier['device']}, this is {torch.cuda.get_device_name()}; "
+                         "ratios from two GPUs do not make one distribution")
+    return [r for r in earlier["rows"] if r["op"] in fields and "error" not in r]
 
 
 def _write(path, rows, total, t0):
