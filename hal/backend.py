@@ -239,8 +239,9 @@ class Backend(abc.ABC):
 
     def check_devices(self, op: str, *tensors: torch.Tensor | None) -> None:
         """Raise unless every given tensor lives on this backend's device type."""
+        device_type = self.device.type
         for t in tensors:
-            if t is not None and t.device.type != self.device.type:
+            if t is not None and t.device.type != device_type:
                 raise UnsupportedError(f"{self.name}.{op}: tensors must be on {self.device}, got {t.device}")
 
     def check_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

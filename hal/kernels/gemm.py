@@ -30,6 +30,7 @@ import triton.language as tl
 
 from hal.contract import Gemm
 from hal.kernels.common import INTERPRET, LAUNCH, cdiv, next_power_of_2, to_activation
+from hal.kernels import launcher
 from hal.kernels.launcher import launch
 from hal.kernels.policy import LaunchPolicy
 
@@ -283,7 +284,16 @@ def _tma_ok(t: torch.Tensor) -> bool:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
            spec: Gemm, config: dict | None = None, *, policy: LaunchPolicy) -> torch.Tensor:
     """x (M, K) @ weight (N, K).T (+ bias) -> (M, N) out_dtype, K reduced as ``spec`` ([gemm]) says.
-    The tiling is ``_config``'s, with the ``policy``'s tiles over it, and ``config`` over both (tests)."""
+    The tiling is ``_config``'s, with the ``policy``'s tiles over it, and ``config`` over both (tests).
+    A call whose signature was seen runs its recorded plan (``_Plan``): the same launches, less host time."""
+    key = None
+    if launcher.ENABLED and config is None:
+        key = (x.shape, x.stride(), x.dtype, x.data_ptr() % 16 == 0, weight.shape, weight.stride(), weight.dtype,
+               weight.data_ptr() % 16 == 0, None if bias is None else (bias.dtype, bias.data_ptr() % 16 == 0),
+               out_dtype, x.device, launcher.current_device(), spec, policy)
+        plan = _PLANS.get(key)
+        if plan is not None:
+            return plan(x, weight, bias)
     m, k = x.shape
     n = weight.shape[0]
     out = torch.empty((m, n), device=x.device, dtype=out_dtype)
@@ -295,7 +305,73 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out
     cfg = _planned(m, n, k, spec, tma_ok, policy, x.device, x.element_size(), out_dtype)
     if config:
         cfg = dict(cfg, **config)
-    return _launch(x, weight, bias, out, cfg, spec, tma_ok, keep_partials=False)
+    record = {} if key is not None else None
+    _launch(x, weight, bias, out, cfg, spec, tma_ok, keep_partials=False, record=record)
+    if record and record.get("gemm") is not None and (not record["split"] or record.get("combine") is not None):
+        if len(_PLANS) >= MAX_PLANS:   # m is part of the key: a trainer's varying token counts would grow it
+            _PLANS.clear()
+        _PLANS[key] = _Plan(out, record)
+    return out
+
+
+# Launch plans of ``linear`` by call signature (issue #20: host cost per op call). The first call of a
+# signature takes the whole path (the tile table, the launcher's key) and records its launches as
+# ``launcher.Prepared``; a later call allocates its outputs and launches them. The signature fixes all that
+# the launches take from the arguments besides the tensors' data: shapes and strides (the table's input and
+# every int argument), dtypes and 16-byte alignment (Triton's specialisation), the device, the contract's
+# [gemm] and the launch policy; the output and the chunk sums are fresh allocations (aligned, contiguous).
+# So a plan launches the compiled kernels the whole path would, with the same arguments: the same bits.
+_PLANS: dict[tuple, "_Plan"] = {}
+MAX_PLANS = 4096
+
+
+def _descriptor_template(desc):
+    """A tensor descriptor's geometry without its tensor (a plan must not keep its first call's tensors alive)."""
+    if not hasattr(desc, "__dict__"):                # a Triton whose descriptors have slots: rebuild them checked
+        return desc.block_shape, desc.padding
+    return type(desc), {name: value for name, value in desc.__dict__.items() if name != "base"}
+
+
+def _same_descriptor(template, tensor: torch.Tensor):
+    """The descriptor of the signature's first call (``_descriptor_template``) over ``tensor``.
+    ``TensorDescriptor.from_tensor`` validates the geometry on every call (~3 us of host time); the plan's key
+    fixes all it checks (shape, strides, dtype, 16-byte alignment), so the first call's validation holds."""
+    if not isinstance(template[0], type):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        return TensorDescriptor.from_tensor(tensor, *template)
+    cls, fields = template
+    desc = object.__new__(cls)
+    desc.__dict__.update(fields)
+    desc.base = tensor
+    return desc
+
+
+class _Plan:
+    """The launches of one ``linear`` signature (``_launch`` recorded them)."""
+
+    __slots__ = ("m", "n", "out_dtype", "split", "chunks", "x_desc", "w_desc", "ints", "combine_ints", "gemm",
+                 "combine")
+
+    def __init__(self, out: torch.Tensor, record: dict):
+        (self.m, self.n), self.out_dtype = out.shape, out.dtype
+        self.split, self.chunks, self.ints = record["split"], record["chunks"], record["ints"]
+        self.x_desc, self.w_desc = record["x_desc"], record["w_desc"]
+        self.gemm, self.combine = record["gemm"], record.get("combine")
+        self.combine_ints = (self.m, self.n, self.chunks, *out.stride())
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        out = torch.empty((self.m, self.n), device=x.device, dtype=self.out_dtype)
+        bias_arg = bias if bias is not None else out
+        partial = torch.empty((self.chunks, self.m, self.n), device=x.device, dtype=torch.float32) if self.split else out
+        if self.x_desc is not None:
+            x_arg, w_arg = _same_descriptor(self.x_desc, x), _same_descriptor(self.w_desc, weight)
+        else:
+            x_arg, w_arg = x, weight
+        self.gemm(x_arg, w_arg, bias_arg, out, partial, *self.ints)
+        if self.split:
+            self.combine(partial, bias_arg, out, *self.combine_ints)
+        return out
 
 
 @functools.lru_cache(maxsize=8192)
@@ -333,25 +409,33 @@ def chunk_partials(x: torch.Tensor, weight: torch.Tensor, spec: Gemm, config: di
 
 
 def combine(partials: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
-            out: torch.Tensor | None = None) -> torch.Tensor:
+            out: torch.Tensor | None = None, *, record: dict | None = None) -> torch.Tensor:
     """[gemm]'s combine of (C, M, N) fp32 chunk partials in ascending chunk order: +0, then each
-    partial, then the bias in fp32, then one rounding to ``out_dtype``. Returns (M, N) (``out``)."""
+    partial, then the bias in fp32, then one rounding to ``out_dtype``. Returns (M, N) (``out``).
+    ``record``: a dict that gets the launch as ``launcher.Prepared`` under "combine" (``linear``'s plans)."""
     chunks, m, n = partials.shape
     if out is None:
         out = torch.empty((m, n), device=partials.device, dtype=out_dtype)
     if m == 0 or n == 0:
         return out
     block = 1024
-    launch(_combine_kernel, (cdiv(m * n, block),),
-           partials.contiguous(), bias if bias is not None else out, out, m, n, chunks, out.stride(0), out.stride(1),
-           HAS_BIAS=bias is not None, OUT_BF16=out_dtype == torch.bfloat16, BLOCK=block, **LAUNCH)
+    run = launch if record is None else functools.partial(_recorded, record, "combine")
+    run(_combine_kernel, (cdiv(m * n, block),),
+        partials.contiguous(), bias if bias is not None else out, out, m, n, chunks, out.stride(0), out.stride(1),
+        HAS_BIAS=bias is not None, OUT_BF16=out_dtype == torch.bfloat16, BLOCK=block, **LAUNCH)
     return out
 
 
+def _recorded(record: dict, name: str, kernel, grid, *args, **kwargs) -> None:
+    """``launch``, keeping the launch's ``launcher.Prepared`` (or None) in ``record[name]``."""
+    record[name] = launcher.prepare(kernel, grid, *args, **kwargs)
+
+
 def _launch(x, weight, bias, out, cfg: dict, spec: Gemm, tma_ok: bool, *, keep_partials: bool,
-            partial: torch.Tensor | None = None):
+            partial: torch.Tensor | None = None, record: dict | None = None):
     """One GEMM launch with the tiles of ``cfg``: the combined output into ``out``, or with
-    ``keep_partials`` the chunk sums into ``partial`` (returned uncombined)."""
+    ``keep_partials`` the chunk sums into ``partial`` (returned uncombined). ``record``: a dict that gets
+    what ``_Plan`` needs to repeat the launches (``linear``)."""
     m, k = x.shape
     n = weight.shape[0]
     out_dtype = out.dtype if out is not None else torch.float32
@@ -378,15 +462,18 @@ def _launch(x, weight, bias, out, cfg: dict, spec: Gemm, tma_ok: bool, *, keep_p
     else:
         x_arg, w_arg = x, weight
     grid = (cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"]), cdiv(chunks, per_program))
-    launch(_gemm_kernel, grid,
-           x_arg, w_arg, bias_arg, out_arg, partial, m, n, k, x.stride(0), x.stride(1), weight.stride(0),
-           weight.stride(1), out_arg.stride(0), out_arg.stride(1), K_CHUNK=k_chunk, SPLIT=split,
-           CHUNKS_PER_PROGRAM=per_program, HAS_BIAS=bias is not None, OUT_BF16=out_dtype == torch.bfloat16,
-           FP32_INPUTS=x.dtype == torch.float32, UPCAST=INTERPRET and x.dtype != torch.float32, TMA=tma,
-           BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
-           num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **LAUNCH)
+    ints = (m, n, k, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out_arg.stride(0), out_arg.stride(1))
+    if record is not None:
+        record.update(split=split, chunks=chunks, ints=ints, x_desc=_descriptor_template(x_arg) if tma else None,
+                      w_desc=_descriptor_template(w_arg) if tma else None)
+    run = launch if record is None else functools.partial(_recorded, record, "gemm")
+    run(_gemm_kernel, grid, x_arg, w_arg, bias_arg, out_arg, partial, *ints, K_CHUNK=k_chunk, SPLIT=split,
+        CHUNKS_PER_PROGRAM=per_program, HAS_BIAS=bias is not None, OUT_BF16=out_dtype == torch.bfloat16,
+        FP32_INPUTS=x.dtype == torch.float32, UPCAST=INTERPRET and x.dtype != torch.float32, TMA=tma,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **LAUNCH)
     if keep_partials:
         return partial
     if split:
-        return combine(partial, bias, out_dtype, out)
+        return combine(partial, bias, out_dtype, out, record=record)
     return out

@@ -110,6 +110,11 @@ def _current_device() -> int:
     return torch.cuda.current_device()
 
 
+def current_device() -> int:
+    """The device whose current stream a launch uses (part of a caller's key for ``Prepared`` launches)."""
+    return _current_device()
+
+
 def _current_stream(device: int) -> int:
     return torch._C._cuda_getCurrentRawStream(device)      # what Triton's driver asks torch for
 
@@ -149,16 +154,64 @@ def launch(kernel, grid: tuple, *args, **kwargs):
         return compiled
     compiled, tail = hit
     if VERIFY:
-        picked = kernel.run(*args, grid=grid, warmup=True, **kwargs)
-        if picked is not compiled:
-            raise LaunchVerifyError(f"hal.kernels.launcher: {kernel.__name__}'s cached kernel for key {key} is not "
-                                    f"the one Triton picks for this call; the fast-launch key misses a "
-                                    f"specialised property (run with HAL_FAST_LAUNCH=0 meanwhile)")
+        _verify(kernel, grid, args, kwargs, compiled, f"key {key}")
     stream = _current_stream(key[0])
     # The launcher call of JITFunction.run, with no launch metadata and no hooks (none are set: above).
     compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
                  compiled.function, compiled.packed_metadata, None, None, None, *args, *tail)
     return compiled
+
+
+def _verify(kernel, grid, args, kwargs, compiled, what: str) -> None:
+    """HAL_LAUNCH_VERIFY: raise unless ``compiled`` is the kernel Triton itself picks for this call."""
+    picked = kernel.run(*args, grid=grid, warmup=True, **kwargs)
+    if picked is not compiled:
+        raise LaunchVerifyError(f"hal.kernels.launcher: {kernel.__name__}'s cached kernel for {what} is not "
+                                f"the one Triton picks for this call; the fast-launch key misses a "
+                                f"specialised property (run with HAL_FAST_LAUNCH=0 meanwhile)")
+
+
+class Prepared:
+    """One launch with its kernel's specialisation, grid and keyword arguments fixed: ``prepared(*args)``
+    launches the compiled kernel with new positional arguments, no key computed. The caller keeps one per
+    key of its own that fixes everything ``_arg_key`` reads (dtypes, alignments, int values), so the
+    compiled kernel is the one Triton would pick; HAL_LAUNCH_VERIFY checks that on every call. A GEMM's
+    plan (hal/kernels/gemm.py) holds these: its host cost per call is then the tensors' allocation and this."""
+
+    __slots__ = ("kernel", "grid", "kwargs", "compiled", "tail", "device")
+
+    def __init__(self, kernel, grid: tuple, kwargs: dict, compiled, tail: tuple, device: int):
+        self.kernel, self.kwargs, self.compiled, self.tail, self.device = kernel, kwargs, compiled, tail, device
+        self.grid = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+
+    def __call__(self, *args) -> None:
+        if _hooks_set():                        # a profiler asked to see launches: Triton's own path
+            self.kernel[self.grid](*args, **self.kwargs)
+            return
+        if VERIFY:
+            _verify(self.kernel, self.grid, args, self.kwargs, self.compiled, "a prepared launch")
+        compiled, (gx, gy, gz) = self.compiled, self.grid
+        compiled.run(gx, gy, gz, _current_stream(self.device), compiled.function, compiled.packed_metadata,
+                     None, None, None, *args, *self.tail)
+
+
+def prepare(kernel, grid: tuple, *args, **kwargs) -> Prepared | None:
+    """``launch(kernel, grid, *args, **kwargs)``, and a ``Prepared`` for the calls that follow with the same
+    specialisation; None where the fast path does not apply (it is off, an argument or keyword it cannot key,
+    a parameter after the positional ones that is not a constexpr)."""
+    compiled = launch(kernel, grid, *args, **kwargs)
+    launches = _LAUNCHES.get(id(kernel))
+    if not ENABLED or compiled is None or launches is None:
+        return None
+    try:
+        for a in args:
+            _arg_key(a)
+    except _Unkeyed:
+        return None
+    tail = launches.tail(len(args), kwargs)
+    if tail is None:
+        return None
+    return Prepared(kernel, grid, dict(kwargs), compiled, tail, _current_device())
 
 
 def cached_specialisations(kernel) -> int:
