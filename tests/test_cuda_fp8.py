@@ -230,3 +230,14 @@ def test_fp8_linear_is_refused_on_gpus_it_was_not_verified_on(monkeypatch):
         cuda_module._check_fp8_architecture(torch.device("cuda"))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     cuda_module._check_fp8_architecture(torch.device("cuda"))
+
+
+def test_a_strided_bias_is_read_by_its_strides(cuda, reference):
+    # A bias that is a view with stride 2 (every other element of a buffer): the kernels read the bias as
+    # contiguous, so the backend must hand them a contiguous copy.
+    x, wq, ws = quantised_layer(3, 200, 128, 7)
+    buffer = torch.randn(400, generator=torch.Generator().manual_seed(3)).bfloat16()
+    strided = buffer[::2]
+    assert torch.equal(cuda.fp8_linear(x, wq, ws, strided), reference.fp8_linear(x, wq, ws, strided))
+    # Negative control: the buffer's first 200 elements read as the bias give other bits.
+    assert not torch.equal(cuda.fp8_linear(x, wq, ws, strided), cuda.fp8_linear(x, wq, ws, buffer[:200]))

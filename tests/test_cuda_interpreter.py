@@ -73,6 +73,23 @@ def test_gemm_launch_shapes_give_the_same_bits_and_match_the_reference(cuda, ref
         assert bool(((outs[0].double() - ref.double()).abs() <= 2 ** -18 * magnitude).all())
 
 
+def test_a_strided_bias_is_read_by_its_strides(cuda, reference):
+    # A bias that is a view with stride 2: the GEMM and combine kernels read the bias as contiguous, so the
+    # backend must hand them a contiguous copy (a strided view was misread before 2026-12-07).
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(3, 1100, generator=g).bfloat16(), torch.randn(64, 1100, generator=g).bfloat16()
+    buffer = torch.randn(128, generator=g).bfloat16()
+    strided = buffer[::2]
+    assert torch.equal(cuda.linear(x, w, strided), cuda.linear(x, w, strided.contiguous()))
+    torch.testing.assert_close(cuda.linear(x, w, strided).float(), reference.linear(x, w, strided).float(),
+                               rtol=0.02, atol=0.05)
+    parts = cuda.linear_chunk_partials(x, w)         # 3 chunks of the contract's 512 columns
+    assert torch.equal(cuda.combine_chunks(parts, strided, out_dtype=torch.bfloat16),
+                       cuda.combine_chunks(parts, strided.contiguous(), out_dtype=torch.bfloat16))
+    # Negative control: the buffer's first 64 elements read as the bias give other bits.
+    assert not torch.equal(cuda.linear(x, w, strided), cuda.linear(x, w, buffer[:64]))
+
+
 @pytest.mark.parametrize("page_size", [16, 5])
 def test_attention_across_kv_chunks_and_splits(cuda, reference, page_size):
     """One sequence of 530 keys (crossing kv_chunk 64 and kv_split 512) with batch-mates: the

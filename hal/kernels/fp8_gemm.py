@@ -354,6 +354,8 @@ def gemm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale_inv:
     out = torch.empty((m, n), device=xq.device, dtype=out_dtype)
     if m == 0 or n == 0:
         return out
+    if bias is not None and bias.stride(0) != 1:
+        bias = bias.contiguous()          # the kernels read the bias as contiguous (a strided view misread it)
     group = spec.activation_group
     tuned = policy.fp8_tiles(m, n, k, spec, out_dtype) if policy is not None else None
     override = {**(tuned or {}), **(config or {})}   # a launch without sm90 = True is the Triton kernel's

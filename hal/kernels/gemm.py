@@ -286,6 +286,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out
     """x (M, K) @ weight (N, K).T (+ bias) -> (M, N) out_dtype, K reduced as ``spec`` ([gemm]) says.
     The tiling is ``_config``'s, with the ``policy``'s tiles over it, and ``config`` over both (tests).
     A call whose signature was seen runs its recorded plan (``_Plan``): the same launches, less host time."""
+    if bias is not None and bias.stride(0) != 1:
+        bias = bias.contiguous()          # the kernels read the bias as contiguous (a strided view misread it)
     key = None
     if launcher.ENABLED and config is None:
         key = (x.shape, x.stride(), x.dtype, x.data_ptr() % 16 == 0, weight.shape, weight.stride(), weight.dtype,
@@ -414,6 +416,8 @@ def combine(partials: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.
     partial, then the bias in fp32, then one rounding to ``out_dtype``. Returns (M, N) (``out``).
     ``record``: a dict that gets the launch as ``launcher.Prepared`` under "combine" (``linear``'s plans)."""
     chunks, m, n = partials.shape
+    if bias is not None and bias.stride(0) != 1:
+        bias = bias.contiguous()          # read as contiguous by the kernel
     if out is None:
         out = torch.empty((m, n), device=partials.device, dtype=out_dtype)
     if m == 0 or n == 0:
