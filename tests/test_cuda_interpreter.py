@@ -90,6 +90,15 @@ def test_a_strided_bias_is_read_by_its_strides(cuda, reference):
     assert not torch.equal(cuda.linear(x, w, strided), cuda.linear(x, w, buffer[:64]))
 
 
+@pytest.mark.parametrize("width", [64, 1100])             # the many-rows kernel (q/k norms) and the one-row kernel
+def test_a_strided_norm_weight_is_read_by_its_strides(cuda, width):
+    g = torch.Generator().manual_seed(width)
+    x, buffer = torch.randn(3, width, generator=g).bfloat16(), torch.randn(2 * width, generator=g).bfloat16()
+    strided = buffer[::2]
+    assert torch.equal(cuda.rms_norm(x, strided, 1e-6), cuda.rms_norm(x, strided.contiguous(), 1e-6))
+    assert not torch.equal(cuda.rms_norm(x, strided, 1e-6), cuda.rms_norm(x, buffer[:width], 1e-6))  # control
+
+
 @pytest.mark.parametrize("page_size", [16, 5])
 def test_attention_across_kv_chunks_and_splits(cuda, reference, page_size):
     """One sequence of 530 keys (crossing kv_chunk 64 and kv_split 512) with batch-mates: the

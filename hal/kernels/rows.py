@@ -103,6 +103,11 @@ _rms_norm_kernel_width_1 = triton.jit(do_not_specialize=["n"])(_rms_norm_body)
 NARROW = 128   # rows of 2..NARROW elements take the many-rows kernel (``rms_norm_rows``)
 
 
+def _contiguous_vector(v: torch.Tensor) -> torch.Tensor:
+    """The kernels read a weight vector as contiguous: a strided view (w[::2]) is copied first."""
+    return v if v.stride(0) == 1 else v.contiguous()
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
              spec: RmsNorm, num_warps: int | None = None, *,
              many_rows: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -115,6 +120,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     rows, and every row without it (a vendor whose compiler has not been shown to take that kernel: the
     ascend backend), one to a program. ``num_warps`` forces the one-row kernel with that many warps (its
     ``tl.sum`` tree depends on them: bench/tile_freedom.py)."""
+    weight = _contiguous_vector(weight)
     n = x.shape[-1]
     if many_rows and num_warps is None and 2 <= n and next_power_of_2(n) <= min(NARROW, spec.row_block):
         return rms_norm_rows(x, weight, eps, residual, spec)
@@ -168,6 +174,7 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: t
     """``rms_norm`` for rows of 2..256 elements, many rows per program (default: a tile of 1024 elements,
     the fastest on the H200 at 128-wide rows). Launch choices never change the bits. ``rms_norm`` sends
     it rows of up to NARROW elements only: at 256 wide it was slower than one row per program."""
+    weight = _contiguous_vector(weight)
     n = x.shape[-1]
     block = next_power_of_2(n)
     if n < 2 or block > min(256, spec.row_block):
