@@ -55,8 +55,8 @@ def launch_name(cfg: dict) -> str:
 
 
 def split_variants(m: int, n: int, k: int, spec, sms: int) -> dict[str, dict]:
-    """Split launches with 16 / 32 / 64-row tiles (pointer loads) and 64 / 128 columns, each program taking the
-    fewest chunks that keep the grid within one wave."""
+    """Split launches with 16 / 32 / 64-row tiles (pointer loads) and 64 / 128 columns, and above 64 rows 64 / 128-row
+    descriptor tiles, each program taking the fewest chunks that keep the grid within one wave."""
     chunks = spec.chunk_count(k)
     out = {}
     # (rows, columns, K step, warps, stages, descriptor loads): the pointer tiles of the tuner's candidates and,
@@ -64,11 +64,16 @@ def split_variants(m: int, n: int, k: int, spec, sms: int) -> dict[str, dict]:
     for block_m, block_n, block_k, warps, stages, tma in (
             (16, 64, 256, 4, 3, False), (16, 128, 128, 4, 4, False), (32, 64, 128, 4, 4, False),
             (32, 128, 128, 4, 4, False), (64, 64, 128, 4, 4, False), (64, 128, 64, 4, 4, False),
-            (32, 32, 256, 4, 4, True), (32, 128, 128, 4, 4, True), (64, 32, 128, 4, 6, True), (64, 64, 64, 4, 6, True)):
-        if block_m < min(m, 64) or block_m > max(16, 2 * m) or (tma and m <= 16):
+            (32, 32, 256, 4, 4, True), (32, 128, 128, 4, 4, True), (64, 32, 128, 4, 6, True), (64, 64, 64, 4, 6, True),
+            # above 64 rows (--ms 128,256,512: does a split pay where the wave table's grid is far from full?):
+            # the wave table's descriptor tiles; a split program holds one accumulator, not two
+            (64, 128, 64, 4, 4, True), (128, 128, 64, 8, 4, True), (128, 256, 64, 8, 3, True)):
+        if block_m < min(m, 64) or block_m > max(16, 2 * m) or (tma and m <= 16) or (m > 64 and not tma):
             continue
         tiles = cdiv(m, block_m) * cdiv(n, block_n)
         per = next((c for c in range(1, chunks + 1) if tiles * cdiv(chunks, c) <= sms), chunks)
+        if per >= chunks:        # one program per tile: no split, only the chunk sums' traffic
+            continue
         cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages, GROUP_M=1,
                    split=True, chunks_per_program=per, tma=tma)
         out[launch_name(cfg)] = cfg
