@@ -166,6 +166,15 @@ class DeclaresNoFp32Gemm(ReferenceBackend):
         return super().linear(x, weight, bias, out_dtype=out_dtype)
 
 
+class ReadsViewsAsContiguous(ReferenceBackend):
+    name = "planted-reads-views-as-contiguous"
+
+    def rms_norm(self, x, weight, eps, residual=None):
+        # A kernel that takes the weight's pointer and reads it as contiguous, whatever its strides.
+        flat = torch.as_strided(weight, weight.shape, (1,))
+        return super().rms_norm(x, flat, eps, residual)
+
+
 class HardCodesItsNumbers(ReferenceBackend):
     name = "planted-hard-coded"
 
@@ -190,7 +199,8 @@ def planted_path(tmp_path_factory) -> Path:
     (info / "entry_points.txt").write_text(
         "[hal.backends]\nplanted-refuses-big-gemm = hal_planted:RefusesBigGemm\n"
         "planted-declares-no-fp32-gemm = hal_planted:DeclaresNoFp32Gemm\n"
-        "planted-hard-coded = hal_planted:HardCodesItsNumbers\n")
+        "planted-hard-coded = hal_planted:HardCodesItsNumbers\n"
+        "planted-reads-views-as-contiguous = hal_planted:ReadsViewsAsContiguous\n")
     return target
 
 
@@ -212,6 +222,16 @@ def test_a_declared_missing_dtype_is_not_tested_and_still_conforms(tmp_path, pla
     data = json.loads(report.read_text())
     assert out.returncode == 0 and data["summary"]["ok"], out.stdout[-3000:]
     assert data["header"]["declared_unsupported"] == ["linear float32"]
+
+
+def test_level_1_catches_a_backend_that_reads_a_strided_weight_as_contiguous(tmp_path, planted_path):
+    report = tmp_path / "r.json"
+    out = hal_cli("conformance", "--backend", "planted-reads-views-as-contiguous", "--op", "rms_norm,linear",
+                  "--level", "1", "--json", str(report), pythonpath=planted_path)
+    data = json.loads(report.read_text())
+    assert out.returncode == 1 and statuses(data, 1) == {"rms_norm": "fail", "linear": "pass"}, out.stdout[-3000:]
+    failures = data["results"]["rms_norm"]["1"]["failures"]
+    assert all("layout_freedom" in f["test"] for f in failures)          # the same-call check still passes
 
 
 def test_level_6_catches_a_backend_that_hard_codes_the_contracts_numbers(tmp_path, planted_path):

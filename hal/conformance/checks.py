@@ -353,14 +353,28 @@ def _fp8_moe_layer(backend: Backend, k: int, out_features: int, dtype: torch.dty
     return layer
 
 
+def strided_copy(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values as a strided view: every other element of a buffer twice as wide in the last dim, the
+    elements between them NaN (or -1). A parameter sliced out of a fused one, or a weight tied by a view,
+    arrives like this; an op that reads it as contiguous reads the fillers, and its bits change."""
+    filler = float("nan") if t.dtype.is_floating_point else -1
+    buffer = torch.full((*t.shape[:-1], 2 * t.shape[-1]), filler, dtype=t.dtype, device=t.device)
+    view = buffer[..., ::2]
+    view.copy_(t)
+    return view
+
+
 def op_row_functions(backend: Backend, width: int, out_features: int, dtype: torch.dtype,
-                     generator: torch.Generator) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
-    """For each row op: a function of a (M, width) batch, with its weights fixed here."""
+                     generator: torch.Generator, *, strided: bool = False
+                     ) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    """For each row op: a function of a (M, width) batch, with its weights fixed here. ``strided``: the dense
+    ops' weights, bias, norm weight and rotary table as strided views (``strided_copy``), the same values."""
     device = backend.device
-    weight = random_tensor((out_features, width), dtype, generator, device=device, spread=8)
-    bias = random_tensor((out_features,), dtype, generator, device=device)
-    norm_weight = random_tensor((width,), dtype, generator, device=device)
-    table = cos_sin_cache(width if width % 2 == 0 else width - 1, 64, device=device) if width > 1 else None
+    lay = strided_copy if strided else (lambda t: t)
+    weight = lay(random_tensor((out_features, width), dtype, generator, device=device, spread=8))
+    bias = lay(random_tensor((out_features,), dtype, generator, device=device))
+    norm_weight = lay(random_tensor((width,), dtype, generator, device=device))
+    table = lay(cos_sin_cache(width if width % 2 == 0 else width - 1, 64, device=device)) if width > 1 else None
 
     def residual_for(x):
         # A residual derived from the row itself, so a row keeps its residual wherever it sits.

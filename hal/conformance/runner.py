@@ -17,7 +17,7 @@ import torch
 from hal.backend import Backend
 from hal.conformance import bounds
 from hal.conformance.checks import (AttentionCase, attention_phases, compare, masked_keys, op_row_functions,
-                                    random_tensor, row_invariance, run_schedule)
+                                    random_tensor, row_invariance, run_schedule, strided_copy)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -54,6 +54,18 @@ def determinism(backend: Backend, row_op: str, width: int, out_features: int, dt
     fn, rows, _ = _row_fn(backend, row_op, width, out_features, dtype, seed)
     batch = rows[: 1 + seed % 37]
     m = compare(f"{row_op}: the same call twice", fn(batch), fn(batch), batch=batch.shape[0])
+    return [m] if m else []
+
+
+def layout_freedom(backend: Backend, row_op: str, width: int, out_features: int, dtype: str, seed: int) -> list:
+    """The same values in another memory layout give the same bits: the batch and the op's parameters as
+    strided views (``checks.strided_copy``) against the contiguous call."""
+    fn, rows, _ = _row_fn(backend, row_op, width, out_features, dtype, seed)
+    g = torch.Generator().manual_seed(seed)             # the same draws as _row_fn: the same values
+    strided_fn = op_row_functions(backend, width, out_features, DTYPES[dtype], g, strided=True)[row_op]
+    batch = rows[: 1 + seed % 37]
+    m = compare(f"{row_op}: strided input and parameters vs contiguous", fn(batch), strided_fn(strided_copy(batch)),
+                batch=batch.shape[0])
     return [m] if m else []
 
 
@@ -116,6 +128,7 @@ def train_equals_infer(backend: Backend, op: str, size: int, width: int, dtype: 
 
 CHECKS: dict[str, Callable[..., list]] = {
     "determinism": determinism,
+    "layout_freedom": layout_freedom,
     "batch_invariance": batch_invariance,
     "attention_determinism": attention_determinism,
     "attention_batch_invariance": attention_batch_invariance,

@@ -1,4 +1,4 @@
-"""Level 1: the same call twice gives the same bits."""
+"""Level 1: the same call twice gives the same bits, and so do the same values in another memory layout."""
 
 import pytest
 from hypothesis import given
@@ -15,6 +15,19 @@ def test_row_op_determinism(hal_backend, hal_depth, op):
     @given(**row_op_cases(hal_backend, hal_depth, op))
     def check(row_op, width, out, dtype, seed):
         run_check("determinism", hal_backend, row_op=row_op, width=fit_width(row_op, width), out_features=out,
+                  dtype=dtype, seed=seed)
+
+    run_examples(hal_backend, check)
+
+
+@pytest.mark.hal(level=1)
+@pytest.mark.parametrize("op", sorted(set(OP_OF.values())))
+def test_row_op_layout_freedom(hal_backend, hal_depth, op):
+    """The batch and the op's parameters as strided views (a weight sliced out of a fused one) give the
+    contiguous call's bits: a kernel that reads a view as contiguous fails here."""
+    @given(**row_op_cases(hal_backend, hal_depth, op))
+    def check(row_op, width, out, dtype, seed):
+        run_check("layout_freedom", hal_backend, row_op=row_op, width=fit_width(row_op, width), out_features=out,
                   dtype=dtype, seed=seed)
 
     run_examples(hal_backend, check)
