@@ -270,7 +270,8 @@ def attention_phases(backend: Backend, case: AttentionCase, cuts: list[int], pag
 # ---------------------------------------------------------------------------------------------
 
 def _moe_row_functions(backend: Backend, width: int, out_features: int, dtype: torch.dtype,
-                       generator: torch.Generator) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+                       generator: torch.Generator, lay: Callable = lambda t: t
+                       ) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
     """MoE row ops ([moe]): routing of a row of ``width`` router logits (rounded to halves, so rows are
     full of ties), group-limited sigmoid routing with a correction bias, and a whole MoE layer of 8
     experts (top-2) of intermediate ``out_features`` on a row of ``width`` hidden features."""
@@ -278,12 +279,12 @@ def _moe_row_functions(backend: Backend, width: int, out_features: int, dtype: t
 
     device = backend.device
     experts, inter = 8, out_features
-    router = random_tensor((experts, width), dtype, generator, device=device)
-    w13 = random_tensor((experts, 2 * inter, width), dtype, generator, device=device)
-    w2 = random_tensor((experts, width, inter), dtype, generator, device=device)
+    router = lay(random_tensor((experts, width), dtype, generator, device=device))
+    w13 = lay(random_tensor((experts, 2 * inter, width), dtype, generator, device=device))
+    w2 = lay(random_tensor((experts, width, inter), dtype, generator, device=device))
     # routing over at most 512 experts (real models have 8-384; a wider row's other logits are unused)
     num_experts = min(width, 512)
-    bias = random_tensor((max(num_experts, 8),), torch.float32, generator, device=device) * 0.1
+    bias = lay(random_tensor((max(num_experts, 8),), torch.float32, generator, device=device) * 0.1)
 
     def route(x, routing, with_bias):
         logits = (x[:, :routing.num_experts].float() * 2).round() / 2
@@ -302,7 +303,8 @@ def _moe_row_functions(backend: Backend, width: int, out_features: int, dtype: t
 
 
 def _fp8_row_functions(backend: Backend, width: int, out_features: int, dtype: torch.dtype,
-                       generator: torch.Generator) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+                       generator: torch.Generator, lay: Callable = lambda t: t
+                       ) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
     """Block-FP8 linear row ops ([fp8]): a row of ``width`` features repeated out to K, one activation
     group more than the row needs (so every K crosses a group boundary; the values are the row's own, so
     they move with it), through ``out_features`` rows of block-quantised weights (N edges cross the
@@ -313,8 +315,8 @@ def _fp8_row_functions(backend: Backend, width: int, out_features: int, dtype: t
     group = spec.activation_group
     k = (-(-width // group) + 1) * group
     master = random_tensor((out_features, k), torch.float32, generator, spread=8)
-    wq, ws = (t.to(backend.device) for t in fp8.quantise_weight_blocks(master, spec))
-    bias = random_tensor((out_features,), dtype, generator, device=backend.device)
+    wq, ws = (lay(t.to(backend.device)) for t in fp8.quantise_weight_blocks(master, spec))
+    bias = lay(random_tensor((out_features,), dtype, generator, device=backend.device))
 
     def widen(x):
         return x.repeat(1, -(-k // x.shape[-1]))[:, :k]
@@ -323,12 +325,13 @@ def _fp8_row_functions(backend: Backend, width: int, out_features: int, dtype: t
            "fp8_linear+bias": lambda x: backend.fp8_linear(widen(x), wq, ws, bias),
            "fp8_linear->fp32": lambda x: backend.fp8_linear(widen(x), wq, ws, out_dtype=torch.float32)}
     if backend.contract.moe is not None:
-        fns["fp8 moe layer"] = _fp8_moe_layer(backend, k, out_features, dtype, generator, widen)
+        fns["fp8 moe layer"] = _fp8_moe_layer(backend, k, out_features, dtype, generator, widen, lay)
     return fns
 
 
 def _fp8_moe_layer(backend: Backend, k: int, out_features: int, dtype: torch.dtype, generator: torch.Generator,
-                   widen: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+                   widen: Callable[[torch.Tensor], torch.Tensor], lay: Callable = lambda t: t
+                   ) -> Callable[[torch.Tensor], torch.Tensor]:
     """A block-FP8 MoE layer ([moe] + [fp8]): 8 experts, top-2, hidden K (the widened row), expert
     intermediate ``out_features`` rounded up to whole weight blocks, so the down GEMM's K is whole
     activation groups; the router in the activation dtype."""
@@ -337,11 +340,11 @@ def _fp8_moe_layer(backend: Backend, k: int, out_features: int, dtype: torch.dty
 
     spec, device, experts = backend.contract.fp8, backend.device, 8
     inter = -(-out_features // spec.weight_block) * spec.weight_block
-    router = random_tensor((experts, k), dtype, generator, device=device)
+    router = lay(random_tensor((experts, k), dtype, generator, device=device))
 
     def stack(n, kk):
         q, s = fp8.quantise_weight_blocks(random_tensor((experts, n, kk), torch.float32, generator, spread=8), spec)
-        return q.to(device), s.to(device)
+        return lay(q.to(device)), lay(s.to(device))
 
     (w13, w13_s), (w2, w2_s) = stack(2 * inter, k), stack(k, inter)
 
@@ -367,8 +370,9 @@ def strided_copy(t: torch.Tensor) -> torch.Tensor:
 def op_row_functions(backend: Backend, width: int, out_features: int, dtype: torch.dtype,
                      generator: torch.Generator, *, strided: bool = False
                      ) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
-    """For each row op: a function of a (M, width) batch, with its weights fixed here. ``strided``: the dense
-    ops' weights, bias, norm weight and rotary table as strided views (``strided_copy``), the same values."""
+    """For each row op: a function of a (M, width) batch, with its weights fixed here. ``strided``: every
+    parameter (weights, biases, norm weight, rotary table, router, experts, FP8 weights and their scales) as a
+    strided view (``strided_copy``), the same values."""
     device = backend.device
     lay = strided_copy if strided else (lambda t: t)
     weight = lay(random_tensor((out_features, width), dtype, generator, device=device, spread=8))
@@ -405,9 +409,9 @@ def op_row_functions(backend: Backend, width: int, out_features: int, dtype: tor
     if width % 2 == 0:
         fns["silu_mul"] = lambda x: backend.silu_mul(x)
     if backend.contract is not None and backend.contract.moe is not None:
-        fns.update(_moe_row_functions(backend, width, out_features, dtype, generator))
+        fns.update(_moe_row_functions(backend, width, out_features, dtype, generator, lay))
     if backend.contract is not None and backend.contract.fp8 is not None:
-        fns.update(_fp8_row_functions(backend, width, out_features, dtype, generator))
+        fns.update(_fp8_row_functions(backend, width, out_features, dtype, generator, lay))
     if table is not None and width % 2 == 0:
         def rotary(x):
             # The position comes from the row's own first value, pointwise: a reduction here (torch's
