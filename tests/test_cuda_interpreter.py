@@ -99,6 +99,35 @@ def test_a_strided_norm_weight_is_read_by_its_strides(cuda, width):
     assert not torch.equal(cuda.rms_norm(x, strided, 1e-6), cuda.rms_norm(x, buffer[:width], 1e-6))  # control
 
 
+def test_strided_attention_metadata_is_read_by_its_strides(cuda):
+    # seq_lens, query_start_loc and the block table as strided views (every other element of a buffer, 999
+    # between them): the kernel reads metadata as consecutive int32, so the backend must hand it such a copy.
+    # Before 2026-12-07 a strided seq_lens or query_start_loc sent the kernel past its pages (a crash or a hang
+    # under the interpreter).
+    from hal.backend import AttentionMetadata
+
+    g = torch.Generator().manual_seed(21)
+    page, d = 16, 64
+    k, v = (torch.randn(20, page, 2, d, generator=g).bfloat16() for _ in range(2))
+    q = torch.randn(3, 4, d, generator=g).bfloat16()
+    block_table = torch.arange(15, dtype=torch.int32).view(3, 5)
+    starts, seq_lens = torch.tensor([0, 1, 2, 3], dtype=torch.int32), torch.tensor([40, 75, 23], dtype=torch.int32)
+
+    def strided(t):
+        buffer = torch.full((*t.shape[:-1], 2 * t.shape[-1]), 999, dtype=t.dtype)
+        buffer[..., ::2] = t
+        return buffer[..., ::2]
+
+    want = cuda.attention(q, k, v, AttentionMetadata(starts, seq_lens, block_table), scale=0.125)
+    for meta in (AttentionMetadata(strided(starts), seq_lens, block_table),
+                 AttentionMetadata(starts, strided(seq_lens), block_table),
+                 AttentionMetadata(starts, seq_lens, strided(block_table))):
+        assert torch.equal(cuda.attention(q, k, v, meta, scale=0.125), want)
+    # Negative control: other pages in the block table give other bits (the check sees what the table names).
+    assert not torch.equal(cuda.attention(q, k, v, AttentionMetadata(starts, seq_lens, block_table.flip(0)),
+                                          scale=0.125), want)
+
+
 @pytest.mark.parametrize("page_size", [16, 5])
 def test_attention_across_kv_chunks_and_splits(cuda, reference, page_size):
     """One sequence of 530 keys (crossing kv_chunk 64 and kv_split 512) with batch-mates: the

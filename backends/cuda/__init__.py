@@ -45,8 +45,12 @@ CAPABILITIES = Capabilities(
 
 
 def _int32(t: torch.Tensor) -> torch.Tensor:
-    """The metadata as the kernels read it (int32); no call when it already is (a .to() costs the host ~1 us)."""
-    return t if t.dtype == torch.int32 else t.to(torch.int32)
+    """The metadata as the kernels read it: int32, consecutive along the last dim (a block table's rows may sit
+    apart: its row stride is passed; a strided seq_lens view read as contiguous sent the kernel past its pages).
+    No call when it already is (a .to() costs the host ~1 us)."""
+    if t.dtype != torch.int32:
+        t = t.to(torch.int32)
+    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def _interpreting() -> bool:
