@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from hal.backend import Backend
+from hal.backend import AttentionMetadata, Backend
 from hal.kvcache import PageAllocator, PagedKVCache, build_metadata, pages_needed, slot_mapping
 from hal.rope import cos_sin_cache
 
@@ -148,12 +148,15 @@ class AttentionCase:
 
 def run_schedule(backend: Backend, case: AttentionCase, steps: list[int], page_size: int,
                  mates: int = 0, seed: int = 0,
-                 post: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+                 post: Callable[[torch.Tensor], torch.Tensor] | None = None, strided: bool = False) -> torch.Tensor:
     """Attention output (seq_len, Hq, D) for the case's sequence, fed in ``steps`` (query counts per
     call, summing to seq_len), with pages handed out in a scrambled order. With ``mates`` > 0 each
     call also carries that many other sequences (random lengths and phases) as batch-mates.
     ``post`` (optional) maps each call's whole output (rows, Hq, D) to (rows, ...), as the rest of a
-    decoder block would on that step's batch; the case's rows of it are returned."""
+    decoder block would on that step's batch; the case's rows of it are returned. ``strided``: the
+    queries, the slot mapping and the metadata (query starts, sequence lengths, block table) reach the
+    backend as strided views (``strided_copy``), the same values."""
+    lay = strided_copy if strided else (lambda t: t)
     device = backend.device
     q, k, v = case.tensors(device)
     gen = torch.Generator().manual_seed(seed)
@@ -191,9 +194,11 @@ def run_schedule(backend: Backend, case: AttentionCase, steps: list[int], page_s
                 slots.append(slot_mapping(mate_pages[idx], range(lo, hi), page_size, device))
                 q_lens.append(hi - lo); seq_lens.append(hi); page_lists.append(mate_pages[idx])
                 mate_done[idx] = hi
-        case.write(backend, cache, torch.cat(k_new), torch.cat(v_new), torch.cat(slots))
+        case.write(backend, cache, torch.cat(k_new), torch.cat(v_new), lay(torch.cat(slots)))
         meta = build_metadata(q_lens, seq_lens, page_lists, device)
-        result = case.attend(backend, cache, torch.cat(q_parts), meta)
+        if strided:
+            meta = AttentionMetadata(lay(meta.query_start_loc), lay(meta.seq_lens), lay(meta.block_table))
+        result = case.attend(backend, cache, lay(torch.cat(q_parts)), meta)
         if post is not None:
             result = post(result)
         outputs.append(result[at:at + step])

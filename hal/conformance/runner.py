@@ -85,8 +85,10 @@ def attention_determinism(backend: Backend, seq_len: int, q_heads: int, kv_heads
     steps = [max(1, seq_len // 2), seq_len - max(1, seq_len // 2)] if seq_len > 1 else [1]
     first = run_schedule(backend, case, steps, page_size, mates=2, seed=seed)
     again = run_schedule(backend, case, steps, page_size, mates=2, seed=seed)
-    m = compare(f"{case.op}: the same schedule twice", first, again)
-    return [m] if m else []
+    strided = run_schedule(backend, case, steps, page_size, mates=2, seed=seed, strided=True)
+    problems = [compare(f"{case.op}: the same schedule twice", first, again),
+                compare(f"{case.op}: queries, slots and metadata as strided views vs contiguous", first, strided)]
+    return [m for m in problems if m]
 
 
 def attention_batch_invariance(backend: Backend, seq_len: int, q_heads: int, kv_heads: int, head_dim: int,

@@ -36,7 +36,8 @@ def test_row_op_layout_freedom(hal_backend, hal_depth, op):
 @pytest.mark.hal(level=1)
 @pytest.mark.parametrize("op", ["attention", "fp8_attention"])
 def test_attention_determinism(hal_backend, hal_depth, op):
-    """``fp8_attention``: the same through an FP8 KV cache (``fp8_write_kv`` / ``fp8_attention``; [fp8] only)."""
+    """The same schedule twice, and once more with the queries, slot mapping and metadata as strided views.
+    ``fp8_attention``: the same through an FP8 KV cache (``fp8_write_kv`` / ``fp8_attention``; [fp8] only)."""
     skip_unless_in_contract(hal_backend, op)
 
     @given(seq_len=st.sampled_from([1, 17, 65] + ([] if hal_depth == "tiny" else [130])),
