@@ -91,6 +91,10 @@ def test_a_plan_launches_what_the_whole_path_launches(spec, kernels, m, n, k, bi
     assert sum(fake.slow_calls for fake in kernels) == slow, "the second call took Triton's path again"
     if (m, n, k) == (7, 896, 4864):
         assert len(first) == 2, "this shape is one of the split rule's: the plan must hold the combine too"
+    # Negative control: a plan that passed another int argument (here K one less) is caught by the comparison.
+    (plan,) = gemm._PLANS.values()
+    plan.ints = (*plan.ints[:2], plan.ints[2] - 1, *plan.ints[3:])
+    assert _call(spec, kernels, m, n, k, bias=bias) != first
 
 
 def test_calls_that_differ_in_what_triton_or_the_table_reads_do_not_share_a_plan(spec, kernels):

@@ -29,8 +29,8 @@ import triton
 import triton.language as tl
 
 from hal.contract import Gemm
-from hal.kernels.common import INTERPRET, LAUNCH, cdiv, next_power_of_2, to_activation
 from hal.kernels import launcher
+from hal.kernels.common import INTERPRET, LAUNCH, cdiv, next_power_of_2, to_activation
 from hal.kernels.launcher import launch
 from hal.kernels.policy import LaunchPolicy
 
