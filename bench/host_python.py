@@ -107,6 +107,7 @@ def main() -> int:
     meta = AttentionMetadata(torch.arange(5, dtype=torch.int32), torch.full((4,), 300, dtype=torch.int32),
                              torch.randperm(76, generator=g).to(torch.int32).view(4, 19))
     logits, ids = rand(4, 32000, dtype=torch.float32), torch.randint(0, 32000, (4,), generator=g)
+    x2, table, slots = rand(4, 2048), torch.randn(4096, 128, generator=g), torch.tensor([5, 77, 300, 1000])
     cases = {f"linear_m{m}": (lambda a=rand(m, 1024), w=rand(512, 1024): backend.linear(a, w)) for m in (1, 64, 256)}
     cases.update({
         "rms_norm": lambda: backend.rms_norm(x, norm, 1e-6),
@@ -118,7 +119,6 @@ def main() -> int:
         "write_kv": lambda: backend.write_kv(k, k, *caches, slots),
         "token_logprobs": lambda: backend.token_logprobs(logits, ids),
     })
-    x2, table, slots = rand(4, 2048), torch.randn(4096, 128, generator=g), torch.tensor([5, 77, 300, 1000])
     rows_out = []
     print(f"{'op':36} {'us per call':>11}   (Python around the launch, stand-in kernels, {platform.processor() or 'cpu'})")
     for name, fn in cases.items():

@@ -19,7 +19,7 @@ import torch
 from hal.api import create_backend
 from hal.kernels import gemm, launcher
 from hal.kernels.policy import LaunchPolicy
-from test_launcher import FakeKernel
+from test_launcher import FakeKernel, fast  # noqa: F401  (fast: a fixture used by `kernels`)
 
 
 class _Sms(LaunchPolicy):
@@ -28,13 +28,8 @@ class _Sms(LaunchPolicy):
 
 
 @pytest.fixture
-def kernels(monkeypatch):
-    monkeypatch.setattr(launcher, "ENABLED", True)
-    monkeypatch.setattr(launcher, "VERIFY", False)
-    monkeypatch.setattr(launcher, "_current_device", lambda: 0)
-    monkeypatch.setattr(launcher, "_current_stream", lambda device: "stream")
-    monkeypatch.setattr(launcher, "_hooks_set", lambda: False)
-    monkeypatch.setattr(launcher, "_LAUNCHES", {})
+def kernels(fast, monkeypatch):
+    # `fast` (test_launcher's fixture): the launcher's fast path on, its device, stream and hooks stood in
     monkeypatch.setattr(gemm, "INTERPRET", False)           # the GPU's tile table
     monkeypatch.setattr(gemm, "_PLANS", {})
     fakes = FakeKernel(gemm._gemm_kernel.fn), FakeKernel(gemm._combine_kernel.fn)
