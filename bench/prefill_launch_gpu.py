@@ -31,7 +31,7 @@ from hal.kernels import attention
 
 # (query rows per program, warps, stages); block_q = rows // the GQA group as laid out (a group that is not a
 # power of two packed, as prefill's default packs it: 12 tokens x 5 heads in 64 rows)
-VARIANTS = [(64, 4, 2), (64, 8, 2), (32, 4, 2), (128, 8, 2), (64, 4, 3), (128, 8, 3)]
+VARIANTS = [(64, 4, 2), (64, 8, 2), (32, 4, 2), (128, 8, 2), (64, 4, 3), (128, 8, 3), (32, 4, 3), (16, 4, 2)]
 # (L, query heads, KV heads, head dim, page): 16-key pages are vLLM's default (K/V by pointer, not descriptor);
 # GQA groups of 4, 8, 7, 2, 5 and 3
 CASES = [(512, 32, 8, 128, 64), (2048, 32, 8, 128, 64), (8192, 32, 8, 128, 64), (4096, 64, 8, 128, 64),
@@ -39,10 +39,26 @@ CASES = [(512, 32, 8, 128, 64), (2048, 32, 8, 128, 64), (8192, 32, 8, 128, 64), 
          (4096, 40, 8, 128, 16), (2048, 24, 8, 128, 64)]
 
 
+def _cases(text: str) -> list[tuple[int, ...]]:
+    """``--cases``: L:HQ:HKV:D:PAGE items, comma-separated."""
+    cases = []
+    for item in text.split(","):
+        fields = item.split(":")
+        if len(fields) != 5 or not all(f.isdigit() and int(f) > 0 for f in fields):
+            raise argparse.ArgumentTypeError(f"{item!r} is not L:HQ:HKV:D:PAGE (five positive integers)")
+        length, hq, hkv, d, page = map(int, fields)
+        if hq % hkv:
+            raise argparse.ArgumentTypeError(f"{item!r}: {hq} query heads are not a multiple of {hkv} KV heads")
+        cases.append((length, hq, hkv, d, page))
+    return cases
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", required=True)
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no new case after this many seconds")
+    ap.add_argument("--cases", type=_cases, default=CASES,
+                    help="comma-separated L:HQ:HKV:D:PAGE (e.g. 512:32:8:128:16,1024:40:8:128:16); default: CASES")
     args = ap.parse_args()
     began = time.time()
     names = [f"{r}r w{w} s{s}" for r, w, s in VARIANTS]
@@ -54,7 +70,7 @@ def main() -> int:
     backend = create_backend("cuda")
     spec = backend.contract.attention
     rows_out, ok = [], True
-    for length, hq, hkv, d, page in CASES:
+    for length, hq, hkv, d, page in args.cases:
         if time.time() - began > args.budget_s:
             print(f"budget of {args.budget_s:.0f} s spent: L={length} {hq}/{hkv} d{d} p{page} and later not run")
             break
@@ -100,7 +116,7 @@ def main() -> int:
         cells = [f"{sd / r['us'][n]:>12.2f}" if sd and n in r["us"] else f"{'-':>12}" for n in names]
         print(f"{r['length']:>6} {r['hq']:>3}/{r['hkv']} d{r['d']:<4} p{r['page']:<4} " + " ".join(cells)
               + f" {sd if sd else float('nan'):>8.0f}")
-    write(rows_out, ok, complete=len(rows_out) == len(CASES))
+    write(rows_out, ok, complete=len(rows_out) == len(args.cases))
     return 0 if ok else 1
 
 
