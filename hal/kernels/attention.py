@@ -618,6 +618,30 @@ def _launch_shape(tokens: int, num_seqs: int, group_pad: int) -> dict:
     return dict(base, tma=True, rows=rows, num_warps=4, num_stages=2, decode=False)
 
 
+def _prefill_wide_tile(shape: dict, tokens: int, num_seqs: int, heads: int, head_dim: int, head_programs: int,
+                       sms: int) -> dict:
+    """Prefill's launch shape with 128 query rows on 8 warps instead of 64 on 4, where the 128-row programs fit
+    in one wave on the multiprocessors and the 64-row ones do not. Why: compiled for sm_90 a 128-row program holds
+    255 registers on 256 threads, the whole register file, so one runs per multiprocessor; 64-row programs run two
+    a multiprocessor but at twice the count. Where the wide tiles fit one wave they take the causal tail in one
+    step: on the H100, head dim 128 and GQA groups 2-8, 1.03-1.10x faster (L = 384 / 512 at 32/8 heads, 512 at
+    32/4, 1024 at 16/8; 1.00x at 24/8). Outside the rule they lost: in a second wave at 32/8 heads (L = 640..1024,
+    0.69-0.71x of 64 rows), at head dim 64 (0.91x), with one query head a KV head (0.92x), and where the 64-row
+    programs already fit one wave (L = 256 at 32/8, 512 at 16/2 and 16/8: 0.84-0.94x). Not explained, so not in
+    the rule: in a second wave at 64/8 and 40/8 heads (L = 384 / 512) they still won, 1.03-1.13x.
+    bench/prefill_launch_gpu.py, bench/results/h100-2026-12-07-session12/. ``heads``: the query heads a program's
+    rows hold per token; ``head_programs``: programs per token tile."""
+    if shape["decode"] or shape["rows"] != 64 or head_dim < 128 or heads < 2 or not sms:
+        return shape
+
+    def programs(rows: int) -> int:
+        block_q = max(1, rows // heads)
+        return min(tokens, (tokens + num_seqs * (block_q - 1)) // block_q) * head_programs
+    if programs(128) <= sms < programs(64):
+        return dict(shape, rows=128, num_warps=8)
+    return shape
+
+
 def _tma_ok(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_chunk: int) -> bool:
     """Descriptor loads (``_chunk``) need bf16 caches on a GPU, every chunk inside one page (page
     size a multiple of the chunk), 16-byte aligned bases and token stride, head_dim contiguous, and
@@ -819,6 +843,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             raise ValueError("packed_heads lays out a KV head's whole GQA group in one program: head_split must be 1")
         group_pad = group  # the group as the rows lay it out
     heads = group_pad // head_split  # query heads per program
+    if not INTERPRET:
+        shape = _prefill_wide_tile(shape, tokens, num_seqs, heads, head_dim, kv_heads * head_split,
+                                   policy.multiprocessors(q.device))
     block_q = (block_q or policy.attention_block_q(q, k_cache, query_start_loc, spec)
                or max(1, shape["rows"] // heads))  # tokens per program
     tile_rows = next_power_of_2(block_q * heads)  # the MMA tile's M
