@@ -53,15 +53,28 @@ def _cases(text: str) -> list[tuple[int, ...]]:
     return cases
 
 
+def _variants(text: str) -> list[tuple[int, int, int]]:
+    """``--variants``: ROWS:WARPS:STAGES items, comma-separated."""
+    out = []
+    for item in text.split(","):
+        fields = item.split(":")
+        if len(fields) != 3 or not all(f.isdigit() and int(f) > 0 for f in fields):
+            raise argparse.ArgumentTypeError(f"{item!r} is not ROWS:WARPS:STAGES (three positive integers)")
+        out.append(tuple(map(int, fields)))
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", required=True)
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no new case after this many seconds")
     ap.add_argument("--cases", type=_cases, default=CASES,
                     help="comma-separated L:HQ:HKV:D:PAGE (e.g. 512:32:8:128:16,1024:40:8:128:16); default: CASES")
+    ap.add_argument("--variants", type=_variants, default=VARIANTS,
+                    help="comma-separated ROWS:WARPS:STAGES launch shapes timed beside the default (default: VARIANTS)")
     args = ap.parse_args()
     began = time.time()
-    names = [f"{r}r w{w} s{s}" for r, w, s in VARIANTS]
+    names = ["default"] + [f"{r}r w{w} s{s}" for r, w, s in args.variants]   # default: the rule's own launch
 
     def write(rows, ok, complete):   # after every case: a run cut short keeps what it finished
         with open(args.json, "w") as f:
@@ -84,8 +97,8 @@ def main() -> int:
                                              num_warps=warps, num_stages=stages)
         base = run()
         row = dict(length=length, hq=hq, hkv=hkv, d=d, page=page, us={}, identical={}, errors={})
-        for rows, warps, stages in VARIANTS:
-            name = f"{rows}r w{warps} s{stages}"
+        for rows, warps, stages in [(None, None, None)] + args.variants:
+            name = "default" if rows is None else f"{rows}r w{warps} s{stages}"
             try:
                 out = run(rows, warps, stages)
                 torch.cuda.synchronize()
