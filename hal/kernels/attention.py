@@ -843,11 +843,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             raise ValueError("packed_heads lays out a KV head's whole GQA group in one program: head_split must be 1")
         group_pad = group  # the group as the rows lay it out
     heads = group_pad // head_split  # query heads per program
-    if not INTERPRET:
+    block_q = block_q or policy.attention_block_q(q, k_cache, query_start_loc, spec)
+    if block_q is None and not INTERPRET:   # the kernel's own tile: 64 rows, or 128 where they fit one wave
         shape = _prefill_wide_tile(shape, tokens, num_seqs, heads, head_dim, kv_heads * head_split,
                                    policy.multiprocessors(q.device))
-    block_q = (block_q or policy.attention_block_q(q, k_cache, query_start_loc, spec)
-               or max(1, shape["rows"] // heads))  # tokens per program
+    block_q = block_q or max(1, shape["rows"] // heads)  # tokens per program
     tile_rows = next_power_of_2(block_q * heads)  # the MMA tile's M
     # Upper bounds from shapes alone: sum_b cdiv(q_len_b, block_q) tiles, keys <= the block table.
     num_tiles = min(tokens, (tokens + num_seqs * (block_q - 1)) // block_q)
