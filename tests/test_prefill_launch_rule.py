@@ -7,10 +7,13 @@ multiprocessors) and on the cases it must leave alone."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 pytest.importorskip("triton")
 
+from hal.contract import load_contract  # noqa: E402
 from hal.kernels import attention  # noqa: E402
+from hal.kernels.policy import LaunchPolicy  # noqa: E402
 
 PREFILL = dict(head_split=1, heads_fastest=True, splits_per_program=1, tma=True, rows=64, num_warps=4,
                num_stages=2, decode=False)
@@ -52,3 +55,42 @@ def test_the_rule_leaves_decode_other_tiles_and_cpu_tensors_alone():
     wide = attention._prefill_wide_tile(PREFILL, 512, 1, 4, 128, 8, SMS)
     assert (wide["rows"], wide["num_warps"], wide["num_stages"]) == (128, 8, 2)
     assert PREFILL["rows"] == 64, "the rule must not change the shape it was given"
+
+
+class _Policy(LaunchPolicy):
+    """132 multiprocessors (an H100 or H200), and optionally a query tile of its own (as the ascend policy sets)."""
+
+    def __init__(self, block_q=None):
+        self.block_q = block_q
+
+    def multiprocessors(self, device):
+        return SMS
+
+    def attention_block_q(self, q, k_cache, query_start_loc, spec):
+        return self.block_q
+
+
+def _launched_tile(monkeypatch, policy, tokens=512, q_heads=32, kv_heads=8, head_dim=128, **overrides):
+    """(ROWS, num_warps) of the attention kernel launch that ``paged_attention`` makes for one causal prompt, with
+    the GPU path's launch choices (INTERPRET off) and the launch captured instead of run."""
+    launches = []
+    monkeypatch.setattr(attention, "INTERPRET", False)
+    monkeypatch.setattr(attention, "_tma_ok", lambda *args: False)
+    monkeypatch.setattr(attention, "launch", lambda kernel, grid, *args, **meta: launches.append(meta))
+    page = 16
+    pages = -(-tokens // page)
+    q = torch.zeros(tokens, q_heads, head_dim, dtype=torch.bfloat16)
+    cache = torch.zeros(pages, page, kv_heads, head_dim, dtype=torch.bfloat16)
+    attention.paged_attention(q, cache, cache, torch.tensor([0, tokens], dtype=torch.int32),
+                              torch.tensor([tokens], dtype=torch.int32),
+                              torch.arange(pages, dtype=torch.int32).view(1, pages), head_dim ** -0.5,
+                              load_contract("bf16-dense-v1").attention, policy=policy, **overrides)
+    (meta,) = launches
+    return meta["ROWS"], meta["num_warps"]
+
+
+def test_paged_attention_takes_the_rule_for_its_own_tile_only(monkeypatch):
+    assert _launched_tile(monkeypatch, _Policy()) == (128, 8)
+    assert _launched_tile(monkeypatch, _Policy(), tokens=1024) == (64, 4)        # a second wave: 64 rows
+    assert _launched_tile(monkeypatch, _Policy(block_q=16)) == (64, 4)           # the policy's tile
+    assert _launched_tile(monkeypatch, _Policy(), block_q=16) == (64, 4)         # the caller's tile
