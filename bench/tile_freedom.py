@@ -96,7 +96,11 @@ def attention_cases(backend, g):
                                                            (True, 16, 4, 5, group_pad, True, 1),
                                                            (False, 16, 4, 2, group_pad, True, 1),
                                                            (True, 4, 4, 5, 1, True, 2), (True, 2, 8, 4, 1, False, 3)]]
-            outs = [attention.paged_attention(*args, spec, policy=CUDA_LAUNCH, **lc) for lc in launches]
+            # The autotuner's candidate set for this call (``hal tune``: the launches it may choose must give these
+            # bits too): prefill's for prompts, decode's for one token a sequence.
+            tuned = (attention.prefill_candidates(hq // hkv) if max(q_lens) > 16 else
+                     attention.decode_candidates(spec.split_count(meta.block_table.shape[1] * page), group_pad))
+            outs = [attention.paged_attention(*args, spec, policy=CUDA_LAUNCH, **lc) for lc in launches + tuned]
             # The caches' memory order (hal.kvcache): the same keys stored head-major (HND).
             hnd = [cache_tensor(cache.num_pages, page, hkv, head_dim, dtype, "cuda", "HND").copy_(t)
                    for t in (cache.k, cache.v)]
@@ -113,7 +117,7 @@ def attention_cases(backend, g):
             other = attention.paged_attention(*args, half, policy=CUDA_LAUNCH, **launches[0])
             results.append(dict(kernel="attention", shape=f"seq_lens={seq_lens} q_lens={q_lens} heads={heads} "
                                 f"D={head_dim} page={page} (+ HND order, + TMA at 64-key pages)", dtype=str(dtype),
-                                launches=len(outs),
+                                launches=len(outs), autotuner_candidates=len(tuned),
                                 identical=sum(same), contract_change_changes_bits=not torch.equal(outs[0], other)))
     return results
 

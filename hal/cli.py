@@ -176,6 +176,8 @@ def _conformance_merge(paths: list[str], output: str | None) -> int:
 DEFAULT_TUNE_BATCHES = "1,2,4,8,16,32,64,128,256,512,1024,2048,4096,8192"
 DEFAULT_DECODE_BATCHES = "1,4,16,64,256"
 DEFAULT_DECODE_CONTEXTS = "2048,8192,32768"
+DEFAULT_PREFILL_LENGTHS = "512,1024,2048,4096,8192,16384"
+TUNE_OPS = ("gemm", "decode", "prefill")
 
 
 def _int_list(text: str, flag: str) -> list[int]:
@@ -190,8 +192,8 @@ def _int_list(text: str, flag: str) -> list[int]:
 
 
 def _tune(args) -> int:
-    """Time the launch candidates for a model's linears and decode attention on this GPU and keep the fastest
-    per shape class in the tuning cache the cuda backend reads (hal/kernels/tuning.py)."""
+    """Time the launch candidates for a model's linears and its decode and prefill attention on this GPU and keep
+    the fastest per shape class in the tuning cache the cuda backend reads (hal/kernels/tuning.py)."""
     import json
 
     import torch
@@ -215,11 +217,12 @@ def _tune(args) -> int:
         raise HalError("hal tune: times launches on a GPU; the cuda backend runs on "
                        f"{backend.device} here (Triton's interpreter?): nothing to tune")
     ops = set(args.ops.split(","))
-    if not ops or not ops <= {"gemm", "decode"}:
-        raise HalError(f"hal tune: --ops takes gemm, decode or both (comma-separated), got {args.ops!r}")
+    if not ops or not ops <= set(TUNE_OPS):
+        raise HalError(f"hal tune: --ops takes {', '.join(TUNE_OPS)} (comma-separated), got {args.ops!r}")
     batches = _int_list(args.batch, "--batch") if "gemm" in ops else []
     decode_batches = _int_list(args.decode_batch, "--decode-batch") if "decode" in ops else []
     contexts = _int_list(args.context, "--context")
+    prefill_lengths = _int_list(args.prefill_length, "--prefill-length") if "prefill" in ops else []
     kv_formats = args.kv_cache.split(",")
     if "fp8" in kv_formats:              # the contract's FP8 KV format
         if backend.contract.fp8 is None:
@@ -249,9 +252,10 @@ def _tune(args) -> int:
         raise HalError(f"hal tune: {config_file} is an MoE model; contract {backend.contract.name} has no [moe] "
                        f"section: pass --contract bf16-moe-v1 (or another contract with one)")
     decode_cells = tuning.model_decode_cells(model, decode_batches, contexts, args.page, dict.fromkeys(kv_formats))
-    print(f"hal tune: {len(shapes)} GEMM, {len(fp8_shapes)} block-FP8 GEMM, {len(moe_layers)} MoE layer and "
-          f"{len(decode_cells)} decode attention shapes of {config_file} on {device}, contract {backend.contract}; "
-          f"cache {out}", flush=True)
+    prefill_cells = tuning.model_prefill_cells(model, prefill_lengths, args.page)
+    print(f"hal tune: {len(shapes)} GEMM, {len(fp8_shapes)} block-FP8 GEMM, {len(moe_layers)} MoE layer, "
+          f"{len(decode_cells)} decode and {len(prefill_cells)} prefill attention shapes of {config_file} on "
+          f"{device}, contract {backend.contract}; cache {out}", flush=True)
     rows: list = []
 
     def progress(line: str) -> None:
@@ -277,6 +281,9 @@ def _tune(args) -> int:
         tuning.tune_decode(decode_cells, backend.contract.attention, fp8=backend.contract.fp8, cache=cache,
                            progress=progress, baseline=_sdpa_decode if args.report else None, report=rows,
                            max_cache_bytes=torch.cuda.mem_get_info()[0] // 4)
+    if prefill_cells:                    # the stock baseline is SDPA's flash kernel on contiguous K/V
+        tuning.tune_prefill(prefill_cells, backend.contract.attention, cache=cache, progress=progress,
+                            baseline=_sdpa_prefill if args.report else None, report=rows)
     print(f"hal tune: {len(cache.entries)} shape classes in {out}" + (f"; report {args.report}" if args.report else ""))
     return 0
 
@@ -290,6 +297,23 @@ def _sdpa_decode(q, batch: int, context: int, kv_heads: int, paged: dict | None 
     k = torch.randn(batch, kv_heads, context, q.shape[-1], device=q.device, dtype=q.dtype)
     v = torch.randn_like(k)
     return lambda: F.scaled_dot_product_attention(q.unsqueeze(2), k, v, enable_gqa=True)
+
+
+def _sdpa_prefill(q, num_seqs: int, length: int, kv_heads: int):
+    """torch's SDPA flash kernel, causal, over contiguous K/V of its own for ``num_seqs`` prompts of ``length``
+    tokens (the returned call is timed)."""
+    import torch
+    import torch.nn.functional as F
+
+    heads, dim = q.shape[1], q.shape[2]
+    qs = q.view(num_seqs, length, heads, dim).transpose(1, 2)
+    k = torch.randn(num_seqs, kv_heads, length, dim, device=q.device, dtype=q.dtype)
+    v = torch.randn_like(k)
+
+    def call():
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(qs, k, v, is_causal=True, enable_gqa=True)
+    return call
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -325,20 +349,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_demo)
     p = sub.add_parser("tune", help="time the launch choices of a model's GEMMs (bf16 or block-FP8 linears, MoE "
-                                    "expert GEMMs) and decode attention on this GPU (cuda backend)")
+                                    "expert GEMMs) and decode and prefill attention on this GPU (cuda backend)")
     p.add_argument("--model", required=True, help="a Hugging Face config.json, or a checkpoint directory holding one")
     p.add_argument("--batch", default=DEFAULT_TUNE_BATCHES, help="GEMM tokens per call to tune for, comma-separated")
-    p.add_argument("--ops", default="gemm,decode", help="what to tune: gemm, decode or both (default both)")
+    p.add_argument("--ops", default=",".join(TUNE_OPS),
+                   help="what to tune: gemm, decode, prefill, comma-separated (default all three)")
     p.add_argument("--decode-batch", default=DEFAULT_DECODE_BATCHES, help="decode: sequences per call, comma-separated")
     p.add_argument("--context", default=DEFAULT_DECODE_CONTEXTS,
                    help="decode: keys the block table holds (a vLLM engine's model length), comma-separated")
-    p.add_argument("--page", type=int, default=16, help="decode: KV-cache page size (vLLM's block size; default 16)")
+    p.add_argument("--prefill-length", default=DEFAULT_PREFILL_LENGTHS,
+                   help="prefill: prompt tokens (one prompt a call), comma-separated")
+    p.add_argument("--page", type=int, default=16,
+                   help="decode and prefill: KV-cache page size (vLLM's block size; default 16)")
     p.add_argument("--kv-cache", default="bf16", help="decode: cache formats, bf16 and/or fp8 (the contract's "
                                                       "[fp8].kv_format), comma-separated")
     p.add_argument("--contract", help="contract name or .toml path (default: the backend's first)")
     p.add_argument("--cache", help="the tuning cache to write (default: $HAL_TUNE_CACHE or ~/.cache/hal/tuning/)")
-    p.add_argument("--report", help="also time cuBLAS (GEMMs) and SDPA (decode) per shape and write every shape's "
-                                    "times here (JSON)")
+    p.add_argument("--report", help="also time cuBLAS (GEMMs) and SDPA (decode, prefill) per shape and write every "
+                                    "shape's times here (JSON)")
     p.set_defaults(func=_tune)
     from hal.diff import add_subcommand as add_diff  # `hal diff`: its options live with it in hal/diff.py
     add_diff(sub)

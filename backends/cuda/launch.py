@@ -4,7 +4,7 @@ The kernels size their launch shapes in waves of programs on the multiprocessors
 wave costs a quarter of the time at some shapes); the count is the one thing about an NVIDIA device
 they need, and it comes from here. Tiles are the kernels' own tables, tuned on the H200, unless a
 tuning cache of this GPU (``hal tune``, hal/kernels/tuning.py) holds a measured choice for a GEMM shape
-(bf16 or block-FP8, or an MoE layer's grouped expert GEMMs) or for a decode attention shape.
+(bf16 or block-FP8, or an MoE layer's grouped expert GEMMs) or for a decode or prefill attention shape.
 """
 
 from __future__ import annotations
@@ -63,6 +63,13 @@ class CudaLaunch(LaunchPolicy):
             return None
         return _decode_config(tokens, num_seqs, context, q_heads, kv_heads, head_dim, page, q_dtype, kv_dtype, spec)
 
+    def prefill_launch(self, tokens: int, num_seqs: int, q_heads: int, kv_heads: int, head_dim: int, page: int,
+                       q_dtype: torch.dtype, kv_dtype: torch.dtype, spec: Attention) -> dict | None:
+        """The tuned launch of this prefill call's shape class (``hal tune``'s prefill cells), as ``gemm_tiles``."""
+        if not self.tuned or _tuning_cache() is None:
+            return None
+        return _prefill_config(tokens, num_seqs, q_heads, kv_heads, head_dim, page, q_dtype, kv_dtype, spec)
+
 
 @functools.lru_cache(maxsize=None)
 def _multiprocessors(device_index: int) -> int:
@@ -74,6 +81,12 @@ def _decode_config(*call) -> dict | None:
     """The tuning cache's decode launch for a call's shape (remembered: decode attention runs once per layer
     and step, and building the key costs more than the lookup). Shared between calls: read-only."""
     return _tuning_cache().config(tuning.decode_shape_class(*call))
+
+
+@functools.lru_cache(maxsize=4096)
+def _prefill_config(*call) -> dict | None:
+    """The tuning cache's prefill launch for a call's shape, remembered as ``_decode_config``."""
+    return _tuning_cache().config(tuning.prefill_shape_class(*call))
 
 
 @functools.lru_cache(maxsize=None)

@@ -780,6 +780,24 @@ def decode_launch_key(config: dict, max_splits: int) -> tuple:
             config.get("num_stages", 5), config.get("maxnreg") or 0, config.get("head_split", 1))
 
 
+# Prefill launch shapes ``hal tune`` times (query rows a program, warps, stages): the shapes of
+# bench/prefill_launch_gpu.py that won a cell on the H100 (bench/results/h100-2026-12-07-session12/), the rule's
+# own (64 rows / 4 warps / 2 stages, 128 / 8 / 2) among them.
+_PREFILL_SHAPES = ((32, 4, 2), (32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 8, 2), (128, 8, 3))
+
+
+def prefill_candidates(group: int) -> list[dict]:
+    """``paged_attention`` overrides for a prefill call whose GQA group is ``group`` query heads a KV head
+    (prefill lays a group out whole, packed where it is not a power of two): tokens a program (``block_q``),
+    warps and stages; none repeats another's launch."""
+    out = []
+    for rows, warps, stages in _PREFILL_SHAPES:
+        config = dict(block_q=max(1, rows // group), num_warps=warps, num_stages=stages)
+        if config not in out:
+            out.append(config)
+    return out
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float, spec: Attention, *,
                     policy: LaunchPolicy, split_parallel: bool | None = None, block_q: int | None = None,
@@ -831,6 +849,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                                    max_splits=max_splits, head_dim=head_dim, page=page, f16_operands=f16_operands),
                   **(policy.decode_launch(tokens, num_seqs, context, q_heads, kv_heads, head_dim, page, q.dtype,
                                           k_cache.dtype, spec) or {})}
+    # Prefill: the kernel's rule (``_launch_shape``, ``_prefill_wide_tile``), or a launch ``hal tune`` measured for
+    # this call's shape class (``prefill_candidates``); the call's own overrides replace both.
+    prefill = {} if shape["decode"] else (
+        policy.prefill_launch(tokens, num_seqs, q_heads, kv_heads, head_dim, page, q.dtype, k_cache.dtype, spec)
+        or {})
     head_split = head_split or decode.get("head_split") or shape["head_split"]
     if head_split > group_pad or group_pad % head_split:
         raise ValueError(f"head_split {head_split} must be a power of two dividing the padded GQA group {group_pad}")
@@ -843,7 +866,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             raise ValueError("packed_heads lays out a KV head's whole GQA group in one program: head_split must be 1")
         group_pad = group  # the group as the rows lay it out
     heads = group_pad // head_split  # query heads per program
-    block_q = block_q or policy.attention_block_q(q, k_cache, query_start_loc, spec)
+    block_q = block_q or prefill.get("block_q") or policy.attention_block_q(q, k_cache, query_start_loc, spec)
     if block_q is None and not INTERPRET:   # the kernel's own tile: 64 rows, or 128 where they fit one wave
         shape = _prefill_wide_tile(shape, tokens, num_seqs, heads, head_dim, kv_heads * head_split,
                                    policy.multiprocessors(q.device))
@@ -872,7 +895,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     tma = tma and _tma_ok(k_cache, v_cache, kv_chunk)    # bf16 caches only (fp8 tiles are dequantised in registers)
     scale_log2e = spec.score_factor(scale)  # fl32(scale * log2 e), or fl32(scale) with the natural exp
     is_bf16 = q.dtype == torch.bfloat16
-    num_stages = num_stages or decode.get("num_stages") or shape["num_stages"]
+    num_stages = num_stages or decode.get("num_stages") or prefill.get("num_stages") or shape["num_stages"]
     if kv_chunk > 64 and not INTERPRET:
         # The stage counts were measured at 64-key chunks. A wider chunk (128 keys: bf16-ascend-v1)
         # holds twice the K/V per stage and ran out of shared memory on the H200 (fp32, head dim 128,
@@ -893,7 +916,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                 EXP2=spec.exp == "exp2", ROUNDED_SUM=spec.row_sum == "sum_of_rounded_p", KV_FP8=kv_fp8,
                 PER_TOKEN_SCALE=per_token_scale, OPERAND_BARRIER=kv_fp8 and not INTERPRET, NESTED_SPLITS=nested_splits,
                 F16_OPERANDS=f16_operands,
-                num_warps=num_warps or decode.get("num_warps") or shape["num_warps"], num_stages=num_stages, **LAUNCH)
+                num_warps=num_warps or decode.get("num_warps") or prefill.get("num_warps") or shape["num_warps"],
+                num_stages=num_stages, **LAUNCH)
     if maxnreg and not INTERPRET:
         meta["maxnreg"] = maxnreg
     scales = (k_scale, v_scale, *(k_scale.stride() if per_token_scale else (0, 0, 0))) if kv_fp8 else (q, q, 0, 0, 0)

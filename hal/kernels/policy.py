@@ -51,3 +51,9 @@ class LaunchPolicy:
         """Launch choices that replace decode attention's rule for this call (keys of
         ``attention.decode_candidates``' entries), or None. ``context``: the keys the block table can hold."""
         return None
+
+    def prefill_launch(self, tokens: int, num_seqs: int, q_heads: int, kv_heads: int, head_dim: int, page: int,
+                       q_dtype: torch.dtype, kv_dtype: torch.dtype, spec: Attention) -> dict | None:
+        """Launch choices that replace prefill attention's rule for this call (keys of
+        ``attention.prefill_candidates``' entries: block_q, num_warps, num_stages), or None."""
+        return None

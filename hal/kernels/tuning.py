@@ -17,7 +17,8 @@ shape class it does not hold, the kernel's own table (``gemm._config``) decides.
 Decode attention likewise: its reduction structure is the contract's (KV chunks and splits at absolute
 positions); splits per program, stages, register cap, warps, how a GQA group is spread over programs and
 whether splits run in parallel programs are free (``attention.decode_candidates``), so ``tune_decode``
-times them per decode shape class (``decode_shape_class``) with the same bit check.
+times them per decode shape class (``decode_shape_class``) with the same bit check. Prefill too: tokens a
+program, warps and stages (``attention.prefill_candidates``), by ``tune_prefill`` per ``prefill_shape_class``.
 
     hal tune --model path/to/config.json                # a model's linears at batch sizes 1..8192 and its
                                                         # decode attention at 1..256 sequences
@@ -86,6 +87,17 @@ def decode_shape_class(tokens: int, num_seqs: int, context: int, q_heads: int, k
     return (f"decode-b{_power_of_two_at_least(num_seqs)}-q{_power_of_two_at_least(q_per_seq)}"
             f"-ctx{_power_of_two_at_least(context)}-h{q_heads}x{kv_heads}-d{head_dim}-p{page}"
             f"-{_dtype_name(q_dtype)}-kv{_dtype_name(kv_dtype)}"
+            f"-kc{spec.kv_chunk}-ks{spec.kv_split}")
+
+
+def prefill_shape_class(tokens: int, num_seqs: int, q_heads: int, kv_heads: int, head_dim: int, page: int,
+                        q_dtype: torch.dtype, kv_dtype: torch.dtype, spec: Attention) -> str:
+    """The cache key of a prefill (or chunked prefill) attention call: the sequences and the query tokens per
+    sequence, each rounded up to a power of two, the heads, head dim, page, dtypes and the contract's KV chunk
+    and split."""
+    q_per_seq = -(-tokens // max(1, num_seqs))
+    return (f"prefill-b{_power_of_two_at_least(num_seqs)}-q{_power_of_two_at_least(q_per_seq)}"
+            f"-h{q_heads}x{kv_heads}-d{head_dim}-p{page}-{_dtype_name(q_dtype)}-kv{_dtype_name(kv_dtype)}"
             f"-kc{spec.kv_chunk}-ks{spec.kv_split}")
 
 
@@ -379,6 +391,44 @@ def tune_decode(cells: Iterable[tuple[int, int, int, int, int, int, str]], spec:
     return cache
 
 
+def tune_prefill(cells: Iterable[tuple[int, int, int, int, int, int]], spec: Attention, *,
+                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cuda", cache: TuneCache,
+                 timer: Callable[[Callable[[], object]], float] = _device_ms,
+                 progress: Callable[[str], None] | None = print, baseline: Callable | None = None,
+                 report: list | None = None) -> TuneCache:
+    """Time ``attention.prefill_candidates`` for causal prefill cells (sequences, prompt tokens each, query
+    heads, KV heads, head dim, page size; bf16 caches) and keep the fastest per ``prefill_shape_class``, as
+    ``tune_gemm``. Every prompt starts at position 0, its pages in random order. ``baseline(q, num_seqs,
+    length, kv_heads)`` builds, once per cell, the stock attention timed beside ours for the report (a
+    zero-argument callable)."""
+    from hal.backends.cuda.launch import CUDA_LAUNCH_UNTUNED as untuned
+    from hal.kernels import attention
+
+    g = torch.Generator(device=device).manual_seed(0)
+    for num_seqs, length, hq, hkv, d, page in cells:
+        if hq % hkv:
+            raise HalError(f"tune: prefill with {hq} query heads over {hkv} KV heads (not a multiple)")
+        per_seq = -(-length // page)
+        pages = num_seqs * per_seq
+        k_cache, v_cache, _ = _random_paged_cache(pages, page, hkv, d, "bf16", dtype, None, g, device)
+        table = torch.randperm(pages, generator=g, device=device).to(torch.int32).view(num_seqs, per_seq)
+        q = torch.randn(num_seqs * length, hq, d, generator=g, device=device).to(dtype)
+        query_start = torch.arange(num_seqs + 1, dtype=torch.int32, device=device) * length
+        seq_lens = torch.full((num_seqs,), length, dtype=torch.int32, device=device)
+
+        def run(config, q=q, k_cache=k_cache, v_cache=v_cache, table=table, query_start=query_start,
+                seq_lens=seq_lens, d=d):
+            return attention.paged_attention(q, k_cache, v_cache, query_start, seq_lens, table, d ** -0.5, spec,
+                                             policy=untuned, **(config or {}))
+        what = f"prefill attention ({num_seqs} x {length} tokens, {hq}/{hkv} heads x {d}, page {page})"
+        key = prefill_shape_class(num_seqs * length, num_seqs, hq, hkv, d, page, dtype, k_cache.dtype, spec)
+        stock = baseline(q, num_seqs, length, hkv) if baseline is not None else None
+        _tune_shape(what, key, run, attention.prefill_candidates(hq // hkv), cache, timer, progress, report,
+                    dict(op="prefill", seqs=num_seqs, length=length, hq=hq, hkv=hkv, d=d, page=page), stock)
+        del q, k_cache, v_cache, stock
+    return cache
+
+
 def _copies_beyond_l2(nbytes: int, device, l2_bytes: int | None = None) -> int:
     """How many copies of ``nbytes`` of inputs, read in turn, take twice the L2 (at most 32; 1 on a CPU)."""
     if l2_bytes is None:
@@ -554,3 +604,11 @@ def model_decode_cells(config, batches: Iterable[int], contexts: Iterable[int], 
     c = config
     return [(b, ctx, c.num_heads, c.num_kv_heads, c.head_dim, page, kv)
             for kv in kv_formats for ctx in contexts for b in batches]
+
+
+def model_prefill_cells(config, lengths: Iterable[int], page: int,
+                        num_seqs: Iterable[int] = (1,)) -> list[tuple[int, int, int, int, int, int]]:
+    """The prefill attention cells of a ``hal.model.ModelConfig``: (sequences, prompt tokens each, query heads,
+    KV heads, head dim, page) for every prompt length and number of prompts."""
+    c = config
+    return [(b, length, c.num_heads, c.num_kv_heads, c.head_dim, page) for length in lengths for b in num_seqs]
