@@ -51,6 +51,32 @@ def assert_schedules_and_trainer_agree(runs, trains) -> None:
             assert torch.equal(lp, c.logprobs), f"request {c.request}: train {lp} vs rollout {c.logprobs}"
 
 
+def plant_bit_change(monkeypatch, module, name: str, when) -> None:
+    """Replace ``module.name`` (an attention-like function returning a (tokens, heads, dim) tensor) by one whose
+    output differs in one element for the calls whose keyword arguments satisfy ``when``: a launch that changes
+    bits, planted for a tuner to refuse."""
+    real = getattr(module, name)
+
+    def planted(*args, **kwargs):
+        out = real(*args, **kwargs)
+        if when(kwargs):
+            out[0, 0, 0] = out[0, 0, 0] * 2 + 1
+        return out
+    monkeypatch.setattr(module, name, planted)
+
+
+def spy_launches(monkeypatch, module) -> list:
+    """Record every ``module.launch(kernel, grid, *args, **meta)`` (still launched) as (kernel, grid, meta)."""
+    launches = []
+    real = module.launch
+
+    def spy(kernel, grid, *args, **meta):
+        launches.append((kernel, grid, meta))
+        return real(kernel, grid, *args, **meta)
+    monkeypatch.setattr(module, "launch", spy)
+    return launches
+
+
 class HostFact(UserWarning):
     """A fact about this host's stock kernels (for example: its BLAS happens to be batch-invariant).
     Reported in pytest's warnings summary, never asserted: tests assert properties of the project."""

@@ -13,7 +13,7 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import backend_for_tests
+from conftest import backend_for_tests, plant_bit_change, spy_launches
 
 from hal.contract import load_contract
 from hal.kvcache import build_metadata
@@ -100,14 +100,7 @@ def test_decode_tuner_keeps_the_fastest_bit_equal_launch_and_refuses_one_that_ch
     assert len(cache.entries) == 1 and isinstance(report[-1]["skipped"], str) and report[0]["config"] == candidates[-1]
     assert [config for config, _ in report[0]["timings"]] == candidates     # every candidate's time, for rule fits
 
-    real = attention.paged_attention
-
-    def planted(*a, **kw):
-        out = real(*a, **kw)
-        if kw.get("head_split") == 2:
-            out[0, 0, 0] = out[0, 0, 0] * 2 + 1
-        return out
-    monkeypatch.setattr(attention, "paged_attention", planted)
+    plant_bit_change(monkeypatch, attention, "paged_attention", lambda kw: kw.get("head_split") == 2)
     with pytest.raises(HalError, match="gives other bits than the kernel's own"):
         tuning.tune_decode([cell], spec, device="cpu", cache=tuning.TuneCache("c", "x"), timer=lambda fn: 1.0,
                            progress=None)
@@ -233,13 +226,7 @@ def test_the_launch_policy_hands_a_tuned_decode_launch_to_the_kernel(cuda, monke
     cache = tuning.TuneCache("cpu (interpreter)", "x", {key: {"config": tuned}})
     monkeypatch.setattr(cuda_launch, "_tuning_cache", lambda: cache)
     cuda_launch._decode_config.cache_clear()
-    launches = []
-    real_launch = attention.launch
-
-    def spy(kernel, grid, *a, **meta_args):
-        launches.append((kernel, grid, meta_args))
-        return real_launch(kernel, grid, *a, **meta_args)
-    monkeypatch.setattr(attention, "launch", spy)
+    launches = spy_launches(monkeypatch, attention)
     try:
         out = attention.paged_attention(*args, policy=cuda_launch.CUDA_LAUNCH)
         assert torch.equal(out, own)

@@ -10,7 +10,7 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import backend_for_tests
+from conftest import backend_for_tests, plant_bit_change, spy_launches
 
 from hal.contract import load_contract
 
@@ -91,14 +91,7 @@ def test_prefill_tuner_keeps_the_fastest_bit_equal_launch_and_refuses_one_that_c
     assert cache.config(key) == candidates[-1] and cache.entries[key]["candidates"] == len(candidates)
     assert [config for config, _ in report[0]["timings"]] == candidates and report[0]["op"] == "prefill"
 
-    real = attention.paged_attention
-
-    def planted(*a, **kw):
-        out = real(*a, **kw)
-        if kw.get("num_stages") == 3:
-            out[0, 0, 0] = out[0, 0, 0] * 2 + 1
-        return out
-    monkeypatch.setattr(attention, "paged_attention", planted)
+    plant_bit_change(monkeypatch, attention, "paged_attention", lambda kw: kw.get("num_stages") == 3)
     with pytest.raises(HalError, match="gives other bits than the kernel's own"):
         tuning.tune_prefill([cell], spec, device="cpu", cache=tuning.TuneCache("c", "x"), timer=lambda fn: 1.0,
                             progress=None)
@@ -121,25 +114,23 @@ def test_the_launch_policy_hands_a_tuned_prefill_launch_to_the_kernel(cuda, monk
     cache = tuning.TuneCache("cpu (interpreter)", "x", {key: {"config": tuned}})
     monkeypatch.setattr(cuda_launch, "_tuning_cache", lambda: cache)
     cuda_launch._prefill_config.cache_clear()
-    launches = []
-    real_launch = attention.launch
+    launches = spy_launches(monkeypatch, attention)
 
-    def spy(kernel, grid, *a, **meta_args):
-        launches.append(meta_args)
-        return real_launch(kernel, grid, *a, **meta_args)
-    monkeypatch.setattr(attention, "launch", spy)
+    def tile():   # (tokens a program, warps, stages) of the first launch recorded
+        meta = launches[0][2]
+        return meta["BLOCK_Q"], meta["num_warps"], meta["num_stages"]
     try:
         assert torch.equal(attention.paged_attention(*args, spec, policy=cuda_launch.CUDA_LAUNCH), own)
-        assert (launches[0]["BLOCK_Q"], launches[0]["num_warps"], launches[0]["num_stages"]) == (32, 8, 3)
+        assert tile() == (32, 8, 3)
         launches.clear()
         attention.paged_attention(*args, spec, policy=cuda_launch.CUDA_LAUNCH, block_q=4, num_warps=4)
-        assert (launches[0]["BLOCK_Q"], launches[0]["num_warps"], launches[0]["num_stages"]) == (4, 4, 3)
+        assert tile() == (4, 4, 3)
         launches.clear()
         attention.paged_attention(*args, spec, policy=cuda_launch.CUDA_LAUNCH_UNTUNED)
-        assert launches[0]["BLOCK_Q"] != 32                  # the rule's tile: the untuned policy never reads it
+        assert tile()[0] != 32                               # the rule's tile: the untuned policy never reads it
         launches.clear()
         decode = _prefill_call([1, 1], hq=4, hkv=2, d=16, page=16)   # one token a sequence: decode-shaped
         attention.paged_attention(*decode, spec, policy=cuda_launch.CUDA_LAUNCH)
-        assert launches[0]["BLOCK_Q"] != 32
+        assert tile()[0] != 32
     finally:
         cuda_launch._prefill_config.cache_clear()
