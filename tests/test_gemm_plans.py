@@ -31,7 +31,7 @@ class _Sms(LaunchPolicy):
 def kernels(fast, monkeypatch):
     # `fast` (test_launcher's fixture): the launcher's fast path on, its device, stream and hooks stood in
     monkeypatch.setattr(gemm, "INTERPRET", False)           # the GPU's tile table
-    monkeypatch.setattr(gemm, "_PLANS", {})
+    monkeypatch.setattr(gemm, "_PLANS", launcher.Plans())
     fakes = FakeKernel(gemm._gemm_kernel.fn), FakeKernel(gemm._combine_kernel.fn)
     monkeypatch.setattr(gemm, "_gemm_kernel", fakes[0])
     monkeypatch.setattr(gemm, "_combine_kernel", fakes[1])

@@ -310,9 +310,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out
     record = {} if key is not None else None
     _launch(x, weight, bias, out, cfg, spec, tma_ok, keep_partials=False, record=record)
     if record and record.get("gemm") is not None and (not record["split"] or record.get("combine") is not None):
-        if len(_PLANS) >= MAX_PLANS:   # m is part of the key: a trainer's varying token counts would grow it
-            _PLANS.clear()
-        _PLANS[key] = _Plan(out, record)
+        _PLANS.keep(key, _Plan(out, record))
     return out
 
 
@@ -323,8 +321,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out
 # every int argument), dtypes and 16-byte alignment (Triton's specialisation), the device, the contract's
 # [gemm] and the launch policy; the output and the chunk sums are fresh allocations (aligned, contiguous).
 # So a plan launches the compiled kernels the whole path would, with the same arguments: the same bits.
-_PLANS: dict[tuple, "_Plan"] = {}
-MAX_PLANS = 4096
+_PLANS = launcher.Plans()
 
 
 def _descriptor_template(desc):

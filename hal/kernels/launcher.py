@@ -195,6 +195,22 @@ class Prepared:
                      None, None, None, *args, *self.tail)
 
 
+class Plans(dict):
+    """An op's launch plans by call signature (``gemm``'s, ``rows.rms_norm``'s): the first call of a signature takes
+    the op's whole path and ``keep``s a plan of its launches (``Prepared``); later calls look it up. A signature
+    holds the call's row count, which a trainer varies from step to step: past ``limit`` plans the table starts
+    again (the compiled kernels stay in Triton's cache)."""
+
+    def __init__(self, limit: int = MAX_KEYS):
+        super().__init__()
+        self.limit = limit
+
+    def keep(self, key: tuple, plan) -> None:
+        if len(self) >= self.limit:
+            self.clear()
+        self[key] = plan
+
+
 def prepare(kernel, grid: tuple, *args, **kwargs) -> Prepared | None:
     """``launch(kernel, grid, *args, **kwargs)``, and a ``Prepared`` for the calls that follow with the same
     specialisation; None where the fast path does not apply (it is off, an argument or keyword it cannot key,
