@@ -18,8 +18,8 @@ import triton
 import triton.language as tl
 
 from hal.contract import Reduce, RmsNorm
-from hal.kernels.common import LAUNCH, cdiv, next_power_of_2, round_to_bf16, silu_mul_f32, to_activation, zero_scalar
 from hal.kernels import launcher
+from hal.kernels.common import LAUNCH, cdiv, next_power_of_2, round_to_bf16, silu_mul_f32, to_activation, zero_scalar
 from hal.kernels.launcher import launch
 
 
@@ -217,7 +217,8 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: t
                   plan_key: tuple | None = None):
     """``rms_norm`` for rows of 2..256 elements, many rows per program (default: a tile of 1024 elements,
     the fastest on the H200 at 128-wide rows). Launch choices never change the bits. ``rms_norm`` sends
-    it rows of up to NARROW elements only: at 256 wide it was slower than one row per program."""
+    it rows of up to NARROW elements only: at 256 wide it was slower than one row per program. ``plan_key``:
+    ``rms_norm``'s call signature, under which the launch is kept as that signature's plan."""
     weight = _contiguous_vector(weight)
     n = x.shape[-1]
     block = next_power_of_2(n)
