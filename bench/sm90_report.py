@@ -129,7 +129,10 @@ def attention_rows():
             ("decode", 8, 8, 16, dict(splits_per_program=2), "v1"),
             ("decode", 8, 8, 16, {}, "v2"), ("decode", 8, 8, 16, dict(splits_per_program=2), "v2"),
             ("prefill", 4096, 1, 64, dict(tma=False), "v2"),
-            ("prefill", 4096, 1, 64, dict(group=5), False)]:
+            ("prefill", 4096, 1, 64, dict(group=5), False),
+            # L = 512: K/V by pointer (descriptors from 1024 tokens), and the wide tile (``_prefill_wide_tile``)
+            ("prefill", 512, 1, 64, dict(tma=False), False),
+            ("prefill", 512, 1, 64, dict(tma=False, rows=128, num_warps=8), False)]:
         shape = dict(attention._launch_shape(tokens, seqs, group_pad=4), **override)
         group = shape.get("group", 4)   # 5: a GQA group of 5 packed as paged_attention packs it (12 tokens x 5)
         types = dict(ATTENTION_TYPES)
