@@ -20,8 +20,8 @@ whether splits run in parallel programs are free (``attention.decode_candidates`
 times them per decode shape class (``decode_shape_class``) with the same bit check. Prefill too: tokens a
 program, warps and stages (``attention.prefill_candidates``), by ``tune_prefill`` per ``prefill_shape_class``.
 
-    hal tune --model path/to/config.json                # a model's linears at batch sizes 1..8192 and its
-                                                        # decode attention at 1..256 sequences
+    hal tune --model path/to/config.json                # a model's linears at batch sizes 1..8192, its decode
+                                                        # attention at 1..256 sequences, its prefill at 512..16k
     HAL_TUNE_CACHE=/path/tune.json python train.py      # where the cache is read (default below)
 """
 
