@@ -618,6 +618,12 @@ def _launch_shape(tokens: int, num_seqs: int, group_pad: int) -> dict:
     return dict(base, tma=True, rows=rows, num_warps=4, num_stages=2, decode=False)
 
 
+def _tile_count(tokens: int, num_seqs: int, block_q: int) -> int:
+    """Query tiles of ``block_q`` tokens for a batch, from shapes alone (the query lengths stay on the device): an
+    upper bound on sum_b cdiv(q_len_b, block_q)."""
+    return min(tokens, (tokens + num_seqs * (block_q - 1)) // block_q)
+
+
 def _prefill_wide_tile(shape: dict, tokens: int, num_seqs: int, heads: int, head_dim: int, head_programs: int,
                        sms: int) -> dict:
     """Prefill's launch shape with 128 query rows on 8 warps instead of 64 on 4, where the 128-row programs fit
@@ -635,8 +641,7 @@ def _prefill_wide_tile(shape: dict, tokens: int, num_seqs: int, heads: int, head
         return shape
 
     def programs(rows: int) -> int:
-        block_q = max(1, rows // heads)
-        return min(tokens, (tokens + num_seqs * (block_q - 1)) // block_q) * head_programs
+        return _tile_count(tokens, num_seqs, max(1, rows // heads)) * head_programs
     if programs(128) <= sms < programs(64):
         return dict(shape, rows=128, num_warps=8)
     return shape
@@ -873,7 +878,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     block_q = block_q or max(1, shape["rows"] // heads)  # tokens per program
     tile_rows = next_power_of_2(block_q * heads)  # the MMA tile's M
     # Upper bounds from shapes alone: sum_b cdiv(q_len_b, block_q) tiles, keys <= the block table.
-    num_tiles = min(tokens, (tokens + num_seqs * (block_q - 1)) // block_q)
+    num_tiles = _tile_count(tokens, num_seqs, block_q)
     heads_fastest = shape["heads_fastest"] if heads_fastest is None else heads_fastest
     heads_fastest = heads_fastest and num_tiles <= 65535  # grid axis 2 holds at most 65535 programs
     kv_chunk = spec.kv_chunk
