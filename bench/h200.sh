@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (the `device` tool), from the repository root:
 #   bash bench/h200.sh STEP...     steps: equal tile kit-quick kit-full negative model prefill bench sweep profile digest
-#                                  host family fp8 fp8sm90 prefill-launch fp8moe fp8kv fp8kv-f16 gemm-split decode-launch decode-tune moe vllm-part
+#                                  host family fp8 fp8sm90 prefill-launch fp8moe fp8kv fp8kv-f16 gemm-split decode-launch decode-chain decode-tune tune moe vllm-part
 #                                  vllm vllm-moe grpo
 #                                  (default: equal tile kit-quick negative model bench)
 # Installs this checkout (and the carried stevedore wheel in .whl/) into /tmp/site, then runs
@@ -34,6 +34,8 @@
 #   FP8KV_F16_ARGS fp8_kv_f16_gpu.py's arguments for `fp8kv-f16` (e.g. "--only bits --budget-s 120")
 #   GEMM_SPLIT_ARGS gemm_split_gpu.py's arguments for `gemm-split` (e.g. "--ms 1,16 --budget-s 120")
 #   DECODE_LAUNCH_ARGS  decode_launch_gpu.py's arguments for `decode-launch` (e.g. --variants default,spp2)
+#   DECODE_CHAIN_ARGS   decode_chain_gpu.py's arguments for `decode-chain` (e.g. "--batches 1 --contexts 64,512")
+#   TUNE_MODEL, TUNE_ARGS   `tune`: the config.json (repository path) and hal tune's other arguments
 #   DECODE_TUNE_ARGS    decode_tune_gpu.py's arguments for `decode-tune` (e.g. "--heads 32/8/128 --budget-s 300");
 #                  with the vLLM bundle unpacked, vLLM's FlashAttention-3 is timed beside SDPA
 #   FP8_ARGS       fp8_gpu.py's arguments for `fp8` (default "--quick"); FP8_TAG names its files; with the vLLM
@@ -172,6 +174,16 @@ for step in $steps; do
     decode-launch) # decode attention's launch choices (register caps, stages, splits) over bf16 and FP8 caches
            python3 "$repo/bench/decode_launch_gpu.py" ${DECODE_LAUNCH_ARGS:-} --json "$out/decode_launch.json" > "$out/decode_launch.log" 2>&1 || status=1
            tail -n 60 "$out/decode_launch.log" ;;
+    decode-chain) # small-batch decode's time against the chunks one program walks (bench/decode_chain_gpu.py; DECODE_CHAIN_ARGS)
+                  [ -d /tmp/vllm-parts ] && { vllm_env || true; }
+                  (cd "$repo/bench" && python3 decode_chain_gpu.py ${DECODE_CHAIN_ARGS:-} --json "$out/decode_chain.json") \
+                    > "$out/decode_chain.log" 2>&1 || status=1
+                  grep -vE '^\[' "$out/decode_chain.log" | tail -n 60 ;;
+    tune) # `hal tune` on a model config (TUNE_MODEL, default bench/configs/qwen3-1.7b.json; TUNE_ARGS): the launch
+          # search with every candidate bit-checked, its cache and report kept
+          python3 -m hal.cli tune --model "$repo/${TUNE_MODEL:-bench/configs/qwen3-1.7b.json}" ${TUNE_ARGS:-} \
+            --cache "$out/tune_cache.json" --report "$out/tune_report.json" > "$out/tune.log" 2>&1 || status=1
+          tail -n 30 "$out/tune.log" ;;
     decode-tune) # decode attention's launch search (hal tune's decode cells): every candidate bit-checked, timed,
            # vs SDPA and, with the vLLM bundle's parts carried (vllm-part), vLLM's FlashAttention-3
            [ -d /tmp/vllm-parts ] && { vllm_env || true; }

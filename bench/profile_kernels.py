@@ -44,6 +44,10 @@ CASES = {
     "gemm_m512_n6144": "GEMM M=512 N=6144 K=4096 (an 8B qkv_proj): ours vs torch.mm",
     "decode_b4_8k_gqa5": "decode B=4 ctx=8192, 40/8 heads, 32-key pages (GQA 5): ours (NHD32) vs SDPA",
     "decode_b256_1k": "decode B=256 ctx=1024, 16/8 heads, 16-key pages (a vLLM 1.7B step): ours (NHD16) vs SDPA",
+    # issue #20's worst decode cells (bench/results/h100-2026-12-07-session12): B = 1-4 at 512-2048 keys, where one
+    # program walks a split's 8 chunks in order (bench/decode_chain_gpu.py measures the chain)
+    "decode_b1_512": "decode B=1 ctx=512, 16/8 heads, 64-key pages (one split: a chain of 8 chunks): ours vs SDPA",
+    "decode_b4_2k": "decode B=4 ctx=2048, 32/8 heads, 64-key pages (4 splits side by side, then the merge): ours vs SDPA",
     # issue #22: the FP8 KV cache reads half the bytes but is no faster than the bf16 one
     "decode_fp8_b64_8k": "decode B=64 ctx=8192, 32/8 heads, 16-key pages: ours over a bf16 cache and over the "
                          "contract's FP8 cache (per token-head scales) vs SDPA",
@@ -68,6 +72,8 @@ DECODES = {"decode_b1_32k": (1, 32768, 32, 8, [("NHD", 16)]),
            "decode_b8_4k": (8, 4096, 32, 8, [("NHD", 16), ("HND", 16), ("NHD", 64), ("HND", 64)]),
            "decode_b64_32k": (64, 32768, 32, 8, [("NHD", 16), ("HND", 64)]),
            "decode_b4_8k_gqa5": (4, 8192, 40, 8, [("NHD", 32)]),
+           "decode_b1_512": (1, 512, 16, 8, [("NHD", 64)]),
+           "decode_b4_2k": (4, 2048, 32, 8, [("NHD", 64)]),
            "decode_b256_1k": (256, 1024, 16, 8, [("NHD", 16)])}
 
 

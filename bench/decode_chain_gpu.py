@@ -1,0 +1,123 @@
+"""Where small-batch decode attention's time goes (issue #20's worst decode cells): time against the number of
+64-key chunks one program walks in order.
+
+The contract's online softmax walks a 512-key split's 64-key chunks one after another (each chunk's P depends on
+the running max of the chunks before it, and acc = fl(acc * alpha) + P @ V is a rounded recurrence), so at B = 1-4
+the kernel's time is a chain of dependent chunks, not bytes. This script measures that chain: B = 1 and 4 (8 KV
+heads, GQA 2, head dim 128; GQA 4, head dim 64), contexts 64..4096 keys on 64-key pages, our decode (the kernel's
+own launch, and 2 / 4 / 8 warps walked) against SDPA and, where vLLM imports, FlashAttention-3 on the same paged cache.
+Up to 512 keys one program walks ctx / 64 chunks, so a straight-line fit of time on chunks gives the cost of one
+link of the chain (its slope) and of everything else (launch, q load, the output store: its intercept); above
+512 keys the splits run side by side and the chain stays 8 chunks long (plus the merge kernel).
+
+Timing: ``family_sweep.graph_ms`` (CUDA-graph replay, inputs rotating past L2). Every launch is checked bitwise
+against the kernel's own launch first (launch choices never change the bits).
+
+    python3 bench/decode_chain_gpu.py --json decode_chain.json          # on the GPU (PYTHONPATH=/tmp/site)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from family_sweep import _meta, flash_attention_3, graph_ms, paged  # noqa: E402
+
+from hal.api import create_backend  # noqa: E402
+from hal.kernels import attention as attention_kernels  # noqa: E402
+
+CONTEXTS = [64, 128, 192, 256, 320, 384, 448, 512, 1024, 2048, 4096]
+HEADS = [(16, 8, 128), (32, 8, 64)]          # (q heads, KV heads, head dim)
+VARIANTS = {"default": {}, "walk-2w": dict(split_parallel=False, num_warps=2),
+            "walk-4w": dict(split_parallel=False, num_warps=4),
+            "walk-8w": dict(split_parallel=False, num_warps=8)}
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def fit(points):
+    """Least-squares (intercept, slope) of y on x."""
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    slope = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
+    return my - slope * mx, slope
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", default="1,4")
+    parser.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    backend = create_backend("cuda")
+    fa3 = flash_attention_3()
+    page, rows, failures, t0 = 64, [], 0, time.time()
+    for hq, hkv, d in HEADS:
+        for batch in map(int, args.batches.split(",")):
+            log(f"\nB={batch} heads {hq}/{hkv} D={d} page={page}  (us; chunks = ctx / 64 one program walks in order)")
+            log(f"{'ctx':>6} {'chunks':>6} " + " ".join(f"{n:>8}" for n in VARIANTS) + f" {'sdpa':>7} {'fa3':>7}")
+            scale = d ** -0.5
+            for ctx in map(int, args.contexts.split(",")):
+                q = torch.randn(batch, hq, d, device="cuda", dtype=torch.bfloat16)
+                k_cache, v_cache, table = paged(batch, ctx, hkv, d, page, seed=ctx)
+                cu_q = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
+                lens = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
+                meta = _meta(cu_q, lens, table)
+
+                def ours(overrides):
+                    return attention_kernels.paged_attention(q, k_cache, v_cache, cu_q, lens, table, scale,
+                                                             backend.contract.attention, policy=backend._launch,
+                                                             **overrides)
+                want = backend.attention(q, k_cache, v_cache, meta, scale=scale)
+                row = dict(batch=batch, ctx=ctx, hq=hq, hkv=hkv, d=d, page=page, chunks=min(ctx, 512) // 64)
+                for name, overrides in VARIANTS.items():
+                    try:
+                        same = torch.equal(ours(overrides), want)
+                    except Exception as exc:  # a launch that cannot compile here is reported, not fatal
+                        row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
+                        row[f"{name}_equal"], row[f"{name}_us"] = True, float("nan")
+                        continue
+                    failures += not same
+                    row[f"{name}_equal"] = same
+                    row[f"{name}_us"] = graph_ms([lambda o=overrides: ours(o)]) * 1e3
+                sk = k_cache[table.long()].reshape(batch, -1, hkv, d)[:, :ctx].transpose(1, 2).contiguous()
+                sv = v_cache[table.long()].reshape(batch, -1, hkv, d)[:, :ctx].transpose(1, 2).contiguous()
+                row["sdpa_us"] = graph_ms([lambda: F.scaled_dot_product_attention(q.unsqueeze(2), sk, sv,
+                                                                                  enable_gqa=True)]) * 1e3
+                if fa3 is not None:
+                    row["fa3_us"] = graph_ms([lambda: fa3(q, k_cache, v_cache, cu_seqlens_q=cu_q, max_seqlen_q=1,
+                                                          seqused_k=lens, max_seqlen_k=ctx, softmax_scale=scale,
+                                                          causal=True, block_table=table, fa_version=3)]) * 1e3
+                rows.append(row)
+                bad = "" if all(row[f"{n}_equal"] for n in VARIANTS) else "   bits DIFFER"
+                log(f"{ctx:6d} {row['chunks']:6d} " + " ".join(f"{row[n + '_us']:8.1f}" for n in VARIANTS)
+                    + f" {row['sdpa_us']:7.1f} {row.get('fa3_us', float('nan')):7.1f}{bad}")
+            chain = [r for r in rows if (r["batch"], r["hq"], r["d"]) == (batch, hq, d) and r["ctx"] <= 512]
+            if len(chain) >= 3:
+                for name in [*VARIANTS, "sdpa"] + (["fa3"] if fa3 is not None else []):
+                    points = [(r["chunks"], r.get(f"{name}_us", float("nan"))) for r in chain]
+                    if any(y != y for _, y in points):
+                        continue
+                    a, b = fit(points)
+                    log(f"  fit up to 512 keys, {name}: {a:.2f} us + {b:.2f} us a chunk")
+                    rows[-1].setdefault("fits", {})[name] = dict(intercept_us=a, per_chunk_us=b)
+    result = dict(device=torch.cuda.get_device_name(), fa3=fa3 is not None, rows=rows, failures=failures,
+                  seconds=time.time() - t0)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    log(f"\n{failures} launches differ from the kernel's own launch, {result['seconds']:.0f} s")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
