@@ -5,7 +5,7 @@ The contract's online softmax walks a 512-key split's 64-key chunks one after an
 the running max of the chunks before it, and acc = fl(acc * alpha) + P @ V is a rounded recurrence), so at B = 1-4
 the kernel's time is a chain of dependent chunks, not bytes. This script measures that chain: B = 1 and 4 (8 KV
 heads, GQA 2, head dim 128; GQA 4, head dim 64), contexts 64..4096 keys on 64-key pages, our decode (the kernel's
-own launch, and 2 / 4 / 8 warps walked) against SDPA and, where vLLM imports, FlashAttention-3 on the same paged cache.
+own launch, and 1 / 2 / 4 / 8 warps walked) against SDPA and, where vLLM imports, FlashAttention-3 on the same paged cache.
 Up to 512 keys one program walks ctx / 64 chunks, so a straight-line fit of time on chunks gives the cost of one
 link of the chain (its slope) and of everything else (launch, q load, the output store: its intercept); above
 512 keys the splits run side by side and the chain stays 8 chunks long (plus the merge kernel).
@@ -34,7 +34,8 @@ from hal.kernels import attention as attention_kernels  # noqa: E402
 
 CONTEXTS = [64, 128, 192, 256, 320, 384, 448, 512, 1024, 2048, 4096]
 HEADS = [(16, 8, 128), (32, 8, 64)]          # (q heads, KV heads, head dim)
-VARIANTS = {"default": {}, "walk-2w": dict(split_parallel=False, num_warps=2),
+VARIANTS = {"default": {}, "walk-1w": dict(split_parallel=False, num_warps=1),
+            "walk-2w": dict(split_parallel=False, num_warps=2),
             "walk-4w": dict(split_parallel=False, num_warps=4),
             "walk-8w": dict(split_parallel=False, num_warps=8)}
 
