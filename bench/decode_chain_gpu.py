@@ -10,6 +10,12 @@ Up to 512 keys one program walks ctx / 64 chunks, so a straight-line fit of time
 link of the chain (its slope) and of everything else (launch, q load, the output store: its intercept); above
 512 keys the splits run side by side and the chain stays 8 chunks long (plus the merge kernel).
 
+``--kv-splits 256,128`` also times what a contract with smaller fixed KV splits would cost and save (the split size
+is contract data, [attention].kv_split, so this is a question for a contract version, not a launch choice): the same
+kernels bound to the contract with only kv_split changed, on decode cells from B = 1 x 512 to B = 64 x 8k keys and
+on causal prefill, against kv_split = 512. Shorter splits give more programs (a shorter chain) at small batch and
+more partials to merge at long contexts.
+
 Timing: ``family_sweep.graph_ms`` (CUDA-graph replay, inputs rotating past L2). Every launch is checked bitwise
 against the kernel's own launch first (launch choices never change the bits).
 
@@ -53,10 +59,57 @@ def fit(points):
     return my - slope * mx, slope
 
 
+def split_what_if(backend, splits, fa3) -> list[dict]:
+    """Decode and prefill time under contracts that differ from ``backend``'s only in [attention].kv_split."""
+    import dataclasses
+
+    contract = backend.contract
+    variants = {s: create_backend("cuda", dataclasses.replace(
+        contract, attention=dataclasses.replace(contract.attention, kv_split=s))) for s in splits}
+    hq, hkv, d, page, out = 16, 8, 128, 64, []
+    log(f"\nkv_split what-if: time under kv_split = S / time under {contract.attention.kv_split} "
+        f"(< 1: S faster); heads {hq}/{hkv} D={d} page={page}")
+    log(f"{'cell':>22} {contract.attention.kv_split:>8}us " + " ".join(f"{s:>8}us" for s in splits)
+        + f" {'sdpa us':>8} {'fa3 us':>8}")
+    cells = [("decode", b, ctx) for b in (1, 4, 16, 64) for ctx in (512, 2048, 8192, 32768) if b * ctx <= 2 ** 19]
+    cells += [("prefill", 1, length) for length in (2048, 8192)]
+    for phase, batch, ctx in cells:
+        k_cache, v_cache, table = paged(batch, ctx, hkv, d, page, seed=ctx + batch)
+        lens = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
+        if phase == "decode":
+            q = torch.randn(batch, hq, d, device="cuda", dtype=torch.bfloat16)
+            cu_q = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
+        else:
+            q = torch.randn(ctx, hq, d, device="cuda", dtype=torch.bfloat16)
+            cu_q = torch.tensor([0, ctx], device="cuda", dtype=torch.int32)
+        meta = _meta(cu_q, lens, table)
+        row = dict(phase=phase, batch=batch, ctx=ctx, hq=hq, hkv=hkv, d=d, page=page)
+        for split, b in [(contract.attention.kv_split, backend), *variants.items()]:
+            row[f"split{split}_us"] = graph_ms([lambda b=b: b.attention(q, k_cache, v_cache, meta,
+                                                                       scale=d ** -0.5)]) * 1e3
+        if phase == "decode":
+            sk = k_cache[table.long()].reshape(batch, -1, hkv, d)[:, :ctx].transpose(1, 2).contiguous()
+            sv = v_cache[table.long()].reshape(batch, -1, hkv, d)[:, :ctx].transpose(1, 2).contiguous()
+            row["sdpa_us"] = graph_ms([lambda: F.scaled_dot_product_attention(q.unsqueeze(2), sk, sv,
+                                                                              enable_gqa=True)]) * 1e3
+            if fa3 is not None:
+                row["fa3_us"] = graph_ms([lambda: fa3(q, k_cache, v_cache, cu_seqlens_q=cu_q, max_seqlen_q=1,
+                                                      seqused_k=lens, max_seqlen_k=ctx, softmax_scale=d ** -0.5,
+                                                      causal=True, block_table=table, fa_version=3)]) * 1e3
+        base = row[f"split{contract.attention.kv_split}_us"]
+        log(f"{phase + f' B={batch} x {ctx}':>22} {base:10.1f} "
+            + " ".join(f"{row[f'split{s}_us']:6.1f} ({row[f'split{s}_us'] / base:4.2f})" for s in splits)
+            + f" {row.get('sdpa_us', float('nan')):8.1f} {row.get('fa3_us', float('nan')):8.1f}")
+        out.append(row)
+    return out
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", default="1,4")
     parser.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
+    parser.add_argument("--kv-splits", default="", help="also time contracts with these [attention].kv_split "
+                        "sizes (comma-separated), e.g. 256,128")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     backend = create_backend("cuda")
@@ -111,8 +164,9 @@ def main(argv=None) -> int:
                     a, b = fit(points)
                     log(f"  fit up to 512 keys, {name}: {a:.2f} us + {b:.2f} us a chunk")
                     rows[-1].setdefault("fits", {})[name] = dict(intercept_us=a, per_chunk_us=b)
-    result = dict(device=torch.cuda.get_device_name(), fa3=fa3 is not None, rows=rows, failures=failures,
-                  seconds=time.time() - t0)
+    what_if = split_what_if(backend, [int(x) for x in args.kv_splits.split(",") if x], fa3) if args.kv_splits else []
+    result = dict(device=torch.cuda.get_device_name(), fa3=fa3 is not None, rows=rows, kv_split_what_if=what_if,
+                  failures=failures, seconds=time.time() - t0)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
