@@ -59,20 +59,39 @@ def fit(points):
     return my - slope * mx, slope
 
 
-def split_what_if(backend, splits, fa3) -> list[dict]:
-    """Decode and prefill time under contracts that differ from ``backend``'s only in [attention].kv_split."""
+def stock_decode_us(q, k_cache, v_cache, table, cu_q, lens, ctx, fa3) -> dict:
+    """SDPA on the same keys laid out contiguously and, with vLLM importable, FlashAttention-3 on the paged
+    cache itself: device us per call."""
+    batch, (hkv, d) = q.shape[0], k_cache.shape[2:]
+
+    def contiguous(cache):
+        return cache[table.long()].reshape(batch, -1, hkv, d)[:, :ctx].transpose(1, 2).contiguous()
+    sk, sv = contiguous(k_cache), contiguous(v_cache)
+    out = dict(sdpa_us=graph_ms([lambda: F.scaled_dot_product_attention(q.unsqueeze(2), sk, sv,
+                                                                        enable_gqa=True)]) * 1e3)
+    if fa3 is not None:
+        out["fa3_us"] = graph_ms([lambda: fa3(q, k_cache, v_cache, cu_seqlens_q=cu_q, max_seqlen_q=1, seqused_k=lens,
+                                              max_seqlen_k=ctx, softmax_scale=d ** -0.5, causal=True,
+                                              block_table=table, fa_version=3)]) * 1e3
+    return out
+
+
+def split_what_if(backend, splits, fa3, cells=None, heads=(16, 8, 128)) -> list[dict]:
+    """Decode and prefill time under contracts that differ from ``backend``'s only in [attention].kv_split;
+    ``cells``: (phase, batch, keys) triples (default: decode B = 1..64 x 512..32k keys, prefill 2k and 8k)."""
     import dataclasses
 
     contract = backend.contract
     variants = {s: create_backend("cuda", dataclasses.replace(
         contract, attention=dataclasses.replace(contract.attention, kv_split=s))) for s in splits}
-    hq, hkv, d, page, out = 16, 8, 128, 64, []
+    (hq, hkv, d), page, out = heads, 64, []
     log(f"\nkv_split what-if: time under kv_split = S / time under {contract.attention.kv_split} "
         f"(< 1: S faster); heads {hq}/{hkv} D={d} page={page}")
     log(f"{'cell':>22} {contract.attention.kv_split:>8}us " + " ".join(f"{s:>8}us" for s in splits)
         + f" {'sdpa us':>8} {'fa3 us':>8}")
-    cells = [("decode", b, ctx) for b in (1, 4, 16, 64) for ctx in (512, 2048, 8192, 32768) if b * ctx <= 2 ** 19]
-    cells += [("prefill", 1, length) for length in (2048, 8192)]
+    if cells is None:
+        cells = [("decode", b, ctx) for b in (1, 4, 16, 64) for ctx in (512, 2048, 8192, 32768) if b * ctx <= 2 ** 19]
+        cells += [("prefill", 1, length) for length in (2048, 8192)]
     for phase, batch, ctx in cells:
         k_cache, v_cache, table = paged(batch, ctx, hkv, d, page, seed=ctx + batch)
         lens = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
@@ -88,14 +107,7 @@ def split_what_if(backend, splits, fa3) -> list[dict]:
             row[f"split{split}_us"] = graph_ms([lambda b=b: b.attention(q, k_cache, v_cache, meta,
                                                                        scale=d ** -0.5)]) * 1e3
         if phase == "decode":
-            sk = k_cache[table.long()].reshape(batch, -1, hkv, d)[:, :ctx].transpose(1, 2).contiguous()
-            sv = v_cache[table.long()].reshape(batch, -1, hkv, d)[:, :ctx].transpose(1, 2).contiguous()
-            row["sdpa_us"] = graph_ms([lambda: F.scaled_dot_product_attention(q.unsqueeze(2), sk, sv,
-                                                                              enable_gqa=True)]) * 1e3
-            if fa3 is not None:
-                row["fa3_us"] = graph_ms([lambda: fa3(q, k_cache, v_cache, cu_seqlens_q=cu_q, max_seqlen_q=1,
-                                                      seqused_k=lens, max_seqlen_k=ctx, softmax_scale=d ** -0.5,
-                                                      causal=True, block_table=table, fa_version=3)]) * 1e3
+            row.update(stock_decode_us(q, k_cache, v_cache, table, cu_q, lens, ctx, fa3))
         base = row[f"split{contract.attention.kv_split}_us"]
         log(f"{phase + f' B={batch} x {ctx}':>22} {base:10.1f} "
             + " ".join(f"{row[f'split{s}_us']:6.1f} ({row[f'split{s}_us'] / base:4.2f})" for s in splits)
@@ -143,14 +155,7 @@ def main(argv=None) -> int:
                     failures += not same
                     row[f"{name}_equal"] = same
                     row[f"{name}_us"] = graph_ms([lambda o=overrides: ours(o)]) * 1e3
-                sk = k_cache[table.long()].reshape(batch, -1, hkv, d)[:, :ctx].transpose(1, 2).contiguous()
-                sv = v_cache[table.long()].reshape(batch, -1, hkv, d)[:, :ctx].transpose(1, 2).contiguous()
-                row["sdpa_us"] = graph_ms([lambda: F.scaled_dot_product_attention(q.unsqueeze(2), sk, sv,
-                                                                                  enable_gqa=True)]) * 1e3
-                if fa3 is not None:
-                    row["fa3_us"] = graph_ms([lambda: fa3(q, k_cache, v_cache, cu_seqlens_q=cu_q, max_seqlen_q=1,
-                                                          seqused_k=lens, max_seqlen_k=ctx, softmax_scale=scale,
-                                                          causal=True, block_table=table, fa_version=3)]) * 1e3
+                row.update(stock_decode_us(q, k_cache, v_cache, table, cu_q, lens, ctx, fa3))
                 rows.append(row)
                 bad = "" if all(row[f"{n}_equal"] for n in VARIANTS) else "   bits DIFFER"
                 log(f"{ctx:6d} {row['chunks']:6d} " + " ".join(f"{row[n + '_us']:8.1f}" for n in VARIANTS)
