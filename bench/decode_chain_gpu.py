@@ -16,8 +16,10 @@ kernels bound to the contract with only kv_split changed, on decode cells from B
 on causal prefill, against kv_split = 512. Shorter splits give more programs (a shorter chain) at small batch and
 more partials to merge at long contexts.
 
-Timing: ``family_sweep.graph_ms`` (CUDA-graph replay, inputs rotating past L2). Every launch is checked bitwise
-against the kernel's own launch first (launch choices never change the bits).
+Timing: ``family_sweep.graph_ms`` (CUDA-graph replay) over one input set, so caches smaller than L2 stay there
+across replays: this measures the chain's latency, not HBM's, for ours and the stock kernels alike (the family
+sweep rotates inputs past L2). Every launch is checked bitwise against the kernel's own launch first (launch
+choices never change the bits).
 
     python3 bench/decode_chain_gpu.py --json decode_chain.json          # on the GPU (PYTHONPATH=/tmp/site)
 """
