@@ -128,7 +128,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     backend = create_backend("cuda")
     fa3 = flash_attention_3()
-    page, rows, failures, t0 = 64, [], 0, time.time()
+    page, rows, fits, failures, t0 = 64, [], [], 0, time.time()
     for hq, hkv, d in HEADS:
         for batch in map(int, args.batches.split(",")):
             log(f"\nB={batch} heads {hq}/{hkv} D={d} page={page}  (us; chunks = ctx / 64 one program walks in order)")
@@ -170,9 +170,9 @@ def main(argv=None) -> int:
                         continue
                     a, b = fit(points)
                     log(f"  fit up to 512 keys, {name}: {a:.2f} us + {b:.2f} us a chunk")
-                    rows[-1].setdefault("fits", {})[name] = dict(intercept_us=a, per_chunk_us=b)
+                    fits.append(dict(batch=batch, hq=hq, hkv=hkv, d=d, launch=name, intercept_us=a, per_chunk_us=b))
     what_if = split_what_if(backend, [int(x) for x in args.kv_splits.split(",") if x], fa3) if args.kv_splits else []
-    result = dict(device=torch.cuda.get_device_name(), fa3=fa3 is not None, rows=rows, kv_split_what_if=what_if,
+    result = dict(device=torch.cuda.get_device_name(), fa3=fa3 is not None, rows=rows, fits=fits, kv_split_what_if=what_if,
                   failures=failures, seconds=time.time() - t0)
     if args.json:
         with open(args.json, "w") as f:
