@@ -5,7 +5,8 @@ The contract's online softmax walks a 512-key split's 64-key chunks one after an
 the running max of the chunks before it, and acc = fl(acc * alpha) + P @ V is a rounded recurrence), so at B = 1-4
 the kernel's time is a chain of dependent chunks, not bytes. This script measures that chain: B = 1 and 4 (8 KV
 heads, GQA 2, head dim 128; GQA 4, head dim 64), contexts 64..4096 keys on 64-key pages, our decode (the kernel's
-own launch, and 1 / 2 / 4 / 8 warps walked) against SDPA and, where vLLM imports, FlashAttention-3 on the same paged cache.
+own launch, and 1 / 2 / 4 / 8 warps walked) against SDPA and, where vLLM imports, FlashAttention-3 on the same
+paged cache.
 Up to 512 keys one program walks ctx / 64 chunks, so a straight-line fit of time on chunks gives the cost of one
 link of the chain (its slope) and of everything else (launch, q load, the output store: its intercept); above
 512 keys the splits run side by side and the chain stays 8 chunks long (plus the merge kernel).
@@ -172,8 +173,8 @@ def main(argv=None) -> int:
                     log(f"  fit up to 512 keys, {name}: {a:.2f} us + {b:.2f} us a chunk")
                     fits.append(dict(batch=batch, hq=hq, hkv=hkv, d=d, launch=name, intercept_us=a, per_chunk_us=b))
     what_if = split_what_if(backend, [int(x) for x in args.kv_splits.split(",") if x], fa3) if args.kv_splits else []
-    result = dict(device=torch.cuda.get_device_name(), fa3=fa3 is not None, rows=rows, fits=fits, kv_split_what_if=what_if,
-                  failures=failures, seconds=time.time() - t0)
+    result = dict(device=torch.cuda.get_device_name(), fa3=fa3 is not None, rows=rows, fits=fits,
+                  kv_split_what_if=what_if, failures=failures, seconds=time.time() - t0)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

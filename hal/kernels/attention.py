@@ -626,17 +626,17 @@ def _tile_count(tokens: int, num_seqs: int, block_q: int) -> int:
 
 def _prefill_wide_tile(shape: dict, tokens: int, num_seqs: int, heads: int, head_dim: int, head_programs: int,
                        sms: int) -> dict:
-    """Prefill's launch shape with 128 query rows on 8 warps instead of 64 on 4, where the 128-row programs fit
-    in one wave on the multiprocessors and the 64-row ones do not. Why: compiled for sm_90 (bench/sm90_report.py) a
-    128-row program holds 255 registers on 256 threads, the whole register file, so one runs per multiprocessor
-    (544 bytes of spill, the 64-row program's 832); 64-row programs run two a multiprocessor but at twice the count. Where the wide tiles fit one wave they take the causal tail in one
-    step: on the H100, head dim 128 and GQA groups 2-8, 1.03-1.10x faster (L = 384 / 512 at 32/8 heads, 512 at
-    32/4, 1024 at 16/8; 1.00x at 24/8). Outside the rule they lost: in a second wave at 32/8 heads (L = 640..1024,
-    0.69-0.71x of 64 rows), at head dim 64 (0.91x), with one query head a KV head (0.92x), and where the 64-row
-    programs already fit one wave (L = 256 at 32/8, 512 at 16/2 and 16/8: 0.84-0.94x). Not explained, so not in
-    the rule: in a second wave at 64/8 and 40/8 heads (L = 384 / 512) they still won, 1.03-1.13x.
-    bench/prefill_launch_gpu.py, bench/results/h100-2026-12-07-session12/. ``heads``: the query heads a program's
-    rows hold per token; ``head_programs``: programs per token tile."""
+    """Prefill's launch shape with 128 query rows on 8 warps instead of 64 on 4, where the 128-row programs fit in one
+    wave on the multiprocessors and the 64-row ones do not. Why: compiled for sm_90 (bench/sm90_report.py) a 128-row
+    program holds 255 registers on 256 threads, the whole register file, so one runs per multiprocessor (544 bytes
+    of spill, the 64-row program's 832); 64-row programs run two a multiprocessor but at twice the count. Where the
+    wide tiles fit one wave they take the causal tail in one step: on the H100, head dim 128 and GQA groups 2-8,
+    1.03-1.10x faster (L = 384 / 512 at 32/8 heads, 512 at 32/4, 1024 at 16/8; 1.00x at 24/8). Outside the rule they
+    lost: in a second wave at 32/8 heads (L = 640..1024, 0.69-0.71x of 64 rows), at head dim 64 (0.91x), with one
+    query head a KV head (0.92x), and where the 64-row programs already fit one wave (L = 256 at 32/8, 512 at 16/2
+    and 16/8: 0.84-0.94x). Not explained, so not in the rule: in a second wave at 64/8 and 40/8 heads (L = 384 /
+    512) they still won, 1.03-1.13x. bench/prefill_launch_gpu.py, bench/results/h100-2026-12-07-session12/.
+    ``heads``: the query heads a program's rows hold per token; ``head_programs``: programs per token tile."""
     if shape["decode"] or shape["rows"] != 64 or head_dim < 128 or heads < 2 or not sms:
         return shape
 
